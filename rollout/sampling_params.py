@@ -1,0 +1,151 @@
+"""Per-request sampling parameters, with the names vLLM and SGLang users already type."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+_ALIASES = {
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+}
+_LOGPROBS_MODES = ("raw", "processed")
+
+
+@dataclass(init=False)
+class SamplingParams:
+    """How to sample one request.
+
+    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 means off. ``logprobs`` is None (off),
+    0 (the sampled token's logprob only) or k > 0 (also the top-k alternatives). Logprobs come from the
+    model's raw distribution (``logprobs_mode="raw"``, the default) or from the distribution actually
+    sampled from after penalties, temperature, top-k/top-p/min-p (``"processed"``).
+    ``seed`` makes the sample depend only on (seed, sample index, token position), whatever else
+    shares the batch. ``max_tokens``/``min_tokens`` are accepted as aliases (vLLM's names).
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int | None = None
+    logprobs_mode: str = "raw"
+
+    def __init__(self, **kwargs: Any) -> None:
+        names = {f.name for f in dataclasses.fields(SamplingParams)}
+        for f in dataclasses.fields(SamplingParams):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            object.__setattr__(self, f.name, default)
+        seen: dict[str, str] = {}
+        for key, value in kwargs.items():
+            target = _ALIASES.get(key, key)
+            if target not in names:
+                raise ValueError(f"unknown sampling parameter {key!r}")
+            if target in seen and seen[target] != key:
+                raise ValueError(f"sampling parameters {seen[target]!r} and {key!r} name the same setting")
+            seen[target] = key
+            setattr(self, target, value)
+        self._normalize()
+        self.verify()
+
+    @classmethod
+    def from_any(cls, params: "SamplingParams | Mapping[str, Any] | None") -> "SamplingParams":
+        """Accept our own object, a plain dict of vLLM/SGLang field names, or None (defaults)."""
+        if params is None:
+            return cls()
+        if isinstance(params, SamplingParams):
+            return params
+        if isinstance(params, Mapping):
+            return cls(**{k: v for k, v in params.items() if v is not None or k in ("seed", "logprobs")})
+        raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(params).__name__}")
+
+    @property
+    def max_tokens(self) -> int:
+        return self.max_new_tokens
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _normalize(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k in (0, None):
+            self.top_k = -1
+        if self.temperature is not None and isinstance(self.temperature, int):
+            self.temperature = float(self.temperature)
+
+    def verify(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        _check_int(self, "max_new_tokens", lo=0)
+        _check_int(self, "min_new_tokens", lo=0)
+        _check_int(self, "n", lo=1)
+        _check_int(self, "top_k", lo=-1)
+        _check_float(self, "temperature", lo=0.0)
+        _check_float(self, "top_p", lo=0.0, hi=1.0, lo_open=True)
+        _check_float(self, "min_p", lo=0.0, hi=1.0)
+        _check_float(self, "repetition_penalty", lo=0.0, lo_open=True)
+        _check_float(self, "frequency_penalty", lo=-2.0, hi=2.0)
+        _check_float(self, "presence_penalty", lo=-2.0, hi=2.0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.logprobs is not None:
+            _check_int(self, "logprobs", lo=0, hi=20)
+        if self.logprobs_mode not in _LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {_LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values.update(changes)
+        return SamplingParams(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _check_int(p: SamplingParams, name: str, lo: int | None = None, hi: int | None = None) -> None:
+    v = getattr(p, name)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"{name} must be an int, got {v!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}")
+
+
+def _check_float(p: SamplingParams, name: str, lo: float | None = None, hi: float | None = None,
+                 lo_open: bool = False) -> None:
+    v = getattr(p, name)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
+        raise ValueError(f"{name} must be a number, got {v!r}")
+    v = float(v)
+    setattr(p, name, v)
+    bad_lo = lo is not None and (v <= lo if lo_open else v < lo)
+    if bad_lo or (hi is not None and v > hi):
+        left = "(" if lo_open else "["
+        raise ValueError(f"{name} must be in {left}{lo}, {hi if hi is not None else 'inf'}], got {v}")
