@@ -1,0 +1,191 @@
+"""The engine's one frozen configuration object and the model facts read from config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Facts about a Llama-family checkpoint, read from its HF ``config.json``."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    hidden_act: str
+    torch_dtype: str
+    rope: dict[str, Any] = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_path(cls, model_path: str) -> "ModelConfig":
+        path = os.path.join(model_path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"no config.json in model path {model_path!r}")
+        with open(path) as f:
+            raw = json.load(f)
+        return cls.from_dict(raw, _read_generation_eos(model_path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], extra_eos: tuple[int, ...] = ()) -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else _arch_from_model_type(raw.get("model_type", ""))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        num_heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        eos_ids = tuple(dict.fromkeys(eos_ids + tuple(extra_eos)))
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            hidden_act=act,
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            rope=_rope_params(raw),
+            eos_token_ids=eos_ids,
+            sliding_window=window,
+            raw=raw,
+        )
+
+
+def _arch_from_model_type(model_type: str) -> str:
+    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}.get(model_type, model_type or "<missing>")
+
+
+def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
+    """Normalize transformers 4.x (``rope_theta`` + ``rope_scaling``) and 5.x (``rope_parameters``)."""
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params.update({k: v for k, v in scaling.items() if k not in params})
+    if "rope_theta" not in params:
+        params["rope_theta"] = raw.get("rope_theta", 10000.0)
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def _read_generation_eos(model_path: str) -> tuple[int, ...]:
+    path = os.path.join(model_path, "generation_config.json")
+    if not os.path.isfile(path):
+        return ()
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos if isinstance(eos, list) else [eos])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine's processes need, passed once to each of them.
+
+    Memory: on GPU the weights plus KV cache take ``mem_fraction_static`` of the device's memory; on
+    CPU the KV cache takes ``cpu_kv_cache_gb``. ``max_total_tokens`` overrides both with an exact
+    number of KV slots (tokens).
+    """
+
+    model_path: str
+    tokenizer_path: str | None = None
+    tp_size: int = 1
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    context_length: int | None = None
+    max_running_requests: int = 256
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.85
+    cpu_kv_cache_gb: float = 2.0
+    chunked_prefill_size: int = 8192
+    max_prefill_tokens: int = 16384
+    in_batch_prefix_threshold: int = 32
+    disable_radix_cache: bool = False
+    attention_backend: str = "auto"
+    dist_backend: str = "auto"
+    log_interval_s: float = 5.0
+    log_level: str = "WARNING"
+    weight_version: str = "0"
+    skip_tokenizer_init: bool = False
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
+            raise ValueError("chunked_prefill_size and max_prefill_tokens must be >= 1")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.attention_backend not in ("auto", "torch_native", "flashinfer"):
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
+        if self.dist_backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"unknown dist_backend {self.dist_backend!r}")
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def resolved_dist_backend(self) -> str:
+        if self.dist_backend != "auto":
+            return self.dist_backend
+        return "nccl" if self.resolved_device.startswith("cuda") else "gloo"
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+
+def resolve_torch_dtype(config: EngineConfig, model: ModelConfig):
+    """The torch dtype weights and activations use: the config's, or the checkpoint's for "auto"."""
+    import torch
+
+    name = config.dtype if config.dtype != "auto" else model.torch_dtype.replace("torch.", "")
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float": torch.float32, "half": torch.float16}
+    if name not in table:
+        raise ValueError(f"unsupported dtype {name!r}")
+    return table[name]

@@ -1,0 +1,83 @@
+"""Preallocated KV-cache memory: the per-layer KV buffers, the slot allocator, and the request table.
+
+Slots are token-granular pages (page size 1, as SGLang's default): a request holds one KV slot per
+token, listed in its row of ``ReqToTokenPool``. Slot 0 is reserved as a scratch slot for padding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class KVPool:
+    """K and V buffers for every layer: ``[num_slots + 1, num_kv_heads, head_dim]`` each."""
+
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: Any) -> None:
+        self.num_slots = num_slots
+        shape = (num_slots + 1, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer_id][loc] = k.to(self.k_buffers[layer_id].dtype)
+        self.v_buffers[layer_id][loc] = v.to(self.v_buffers[layer_id].dtype)
+
+
+class SlotAllocator:
+    """Hands out KV slot indices 1..num_slots; all bookkeeping on the CPU (int64 tensors)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = [torch.arange(1, num_slots + 1, dtype=torch.int64)]
+        self._num_free = num_slots
+
+    @property
+    def available(self) -> int:
+        return self._num_free
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """``n`` free slots, or None (nothing taken) when fewer than ``n`` are free."""
+        if n > self._num_free:
+            return None
+        if len(self._free) > 1:
+            self._free = [torch.cat(self._free)]
+        out, rest = self._free[0][:n], self._free[0][n:]
+        self._free = [rest]
+        self._num_free -= n
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self._free.append(slots.to(torch.int64).cpu())
+            self._num_free += slots.numel()
+
+
+class ReqToTokenPool:
+    """Rows of KV slot indices, one row per running request: ``table[row, pos] = slot``."""
+
+    def __init__(self, num_rows: int, max_context_len: int, device: Any) -> None:
+        self.table = torch.zeros((num_rows, max_context_len), dtype=torch.int32, device=device)
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+
+    @property
+    def available(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """table[row, start:start+len(slots)] = slots."""
+        if slots.numel():
+            self.table[row, start:start + slots.numel()] = slots.to(self.table.device, torch.int32,
+                                                                   non_blocking=True)

@@ -1,0 +1,105 @@
+"""One Llama-family model for Llama 2/3, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm), tensor-parallel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout.config import ModelConfig
+from rollout.distributed import TPGroup
+from rollout.layers.attention import Attention
+from rollout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from rollout.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from rollout.layers.norm import RMSNorm
+from rollout.layers.rotary import RotaryEmbedding, rope_inv_freq
+from rollout.model_executor.forward_batch import ForwardBatch
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup,
+                 dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.qkv_bias, tp, dtype, device)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, dtype, device)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.head_dim = cfg.head_dim
+        self.attn = Attention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim,
+                              cfg.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        t = x.shape[0]
+        q = q.reshape(t, -1, self.head_dim)
+        k = k.reshape(t, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], False, tp, dtype, device)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup,
+                 dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary, tp, dtype, device)
+        self.mlp = LlamaMLP(cfg, tp, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = x + self.self_attn(positions, self.input_layernorm(x), batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(cfg.raw, cfg.rope, cfg.head_dim)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, inv_freq, scaling, dtype, device)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, tp, dtype, device)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.rotary = rotary
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(batch.positions, x, batch)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM whose ``forward`` returns the logits of each request's last new token [B, vocab]."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, max_positions, tp, dtype, device)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(batch)
+        hidden = hidden.index_select(0, batch.last_token_indices())
+        return self.lm_head.logits(hidden)

@@ -1,0 +1,58 @@
+"""Build a model from a local Hugging Face directory and load its safetensors weights."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any, Iterator
+
+import torch
+
+from rollout.config import ModelConfig
+from rollout.distributed import TPGroup
+from rollout.models.llama import LlamaForCausalLM
+from rollout.models.weight_map import HFWeightMap
+
+
+def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of the checkpoint (sharded index or single/multiple files)."""
+    from safetensors import safe_open
+
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(model_path, name) for name in files]
+    else:
+        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {model_path!r}")
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(weight_map: HFWeightMap, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
+    """Load every tensor through the name map; ValueError if a parameter is missing. Returns the count."""
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        if weight_map.is_ignored(name):
+            continue
+        weight_map.load(name, tensor)
+        seen.add(weight_map.canonical(name))
+    missing = [n for n in weight_map.shapes if n not in seen]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} parameters, e.g. {missing[:3]}")
+    return len(seen)
+
+
+def build_model(cfg: ModelConfig, model_path: str | None, max_positions: int, tp: TPGroup,
+                dtype: torch.dtype, device: Any) -> tuple[LlamaForCausalLM, HFWeightMap]:
+    """The model with its weights loaded from ``model_path`` (or left uninitialised when None)."""
+    model = LlamaForCausalLM(cfg, max_positions, tp, dtype, device).eval()
+    weight_map = HFWeightMap(model, cfg)
+    if model_path is not None:
+        load_weights(weight_map, iter_safetensors(model_path))
+    return model, weight_map
