@@ -60,10 +60,16 @@ class SlotAllocator:
 
 
 class ReqToTokenPool:
-    """Rows of KV slot indices, one row per running request: ``table[row, pos] = slot``."""
+    """Rows of KV slot indices, one row per running request: ``table[row, pos] = slot``.
+
+    ``table`` lives on the model's device (attention backends read it); ``cpu_table`` mirrors it so
+    the scheduler never waits on the device to learn a request's slots.
+    """
 
     def __init__(self, num_rows: int, max_context_len: int, device: Any) -> None:
-        self.table = torch.zeros((num_rows, max_context_len), dtype=torch.int32, device=device)
+        self.cpu_table = torch.zeros((num_rows, max_context_len), dtype=torch.int32)
+        on_cpu = torch.device(device).type == "cpu"
+        self.table = self.cpu_table if on_cpu else torch.zeros_like(self.cpu_table, device=device)
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
     @property
@@ -78,6 +84,12 @@ class ReqToTokenPool:
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """table[row, start:start+len(slots)] = slots."""
-        if slots.numel():
-            self.table[row, start:start + slots.numel()] = slots.to(self.table.device, torch.int32,
-                                                                   non_blocking=True)
+        n = slots.numel()
+        if n:
+            self.cpu_table[row, start:start + n] = slots
+            if self.table is not self.cpu_table:
+                self.table[row, start:start + n] = slots.to(self.table.device, torch.int32, non_blocking=True)
+
+    def slots(self, row: int, end: int) -> torch.Tensor:
+        """The slots of positions [0, end) of ``row`` (CPU int64)."""
+        return self.cpu_table[row, :end].to(torch.int64)

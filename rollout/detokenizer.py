@@ -1,0 +1,67 @@
+"""Detokenizer subprocess: turns each request's new token ids into text, incrementally and UTF-8 safe."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import zmq
+
+from rollout.config import EngineConfig
+from rollout.detokenize_state import IncrementalDetokenizer
+from rollout.io_struct import BatchTokenOut, ShutdownReq, TokenOut
+from rollout.ipc import IPCPaths, socket, watch_parent
+from rollout.logging_utils import configure
+
+
+def run_detokenizer_process(config: EngineConfig, paths: IPCPaths, ready: Any) -> None:
+    """Load the tokenizer, report readiness on ``ready``, then forward outputs with text filled in."""
+    watch_parent()
+    configure(config.log_level, "Detokenizer")
+    ctx = zmq.Context()
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
+        recv = socket(ctx, zmq.PULL, paths.detokenizer, bind=True)
+        send = socket(ctx, zmq.PUSH, paths.tokenizer, bind=False)
+        ready.send({"ok": True})
+    except BaseException as e:  # noqa: BLE001
+        ready.send({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
+                    "type": type(e).__name__})
+        return
+    finally:
+        ready.close()
+    Detokenizer(tokenizer).serve(recv, send)
+
+
+class Detokenizer:
+    """Keeps one ``IncrementalDetokenizer`` per unfinished request."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, IncrementalDetokenizer] = {}
+
+    def serve(self, recv: zmq.Socket, send: zmq.Socket) -> None:
+        while True:
+            msg = recv.recv_pyobj()
+            if isinstance(msg, ShutdownReq):
+                return
+            if isinstance(msg, BatchTokenOut):
+                for out in msg.outs:
+                    self.render(out)
+            send.send_pyobj(msg)
+
+    def render(self, out: TokenOut) -> None:
+        state = self.states.get(out.rid)
+        if state is None:
+            spec = out.spec
+            state = IncrementalDetokenizer(self.tokenizer, spec.skip_special_tokens,
+                                           spec.spaces_between_special_tokens, spec.stop,
+                                           spec.include_stop_str_in_output, spec.prompt_tail)
+            self.states[out.rid] = state
+        finished = out.finished is not None
+        matched = out.finished.matched if finished and isinstance(out.finished.matched, str) else None
+        out.text = state.step(out.token_ids, finished, matched)
+        if finished:
+            del self.states[out.rid]

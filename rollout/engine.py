@@ -1,0 +1,302 @@
+"""The Python rollout API: ``Engine(model_path).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import queue
+import time
+import weakref
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+from rollout.config import EngineConfig, ModelConfig
+from rollout.launcher import launch
+from rollout.outputs import RequestOutput
+from rollout.sampling_params import SamplingParams
+from rollout.tokenizer_manager import ReqState, TokenizerManager
+
+PromptInput = Any
+
+
+class Engine:
+    """A generation engine: scheduler subprocess(es) per TP rank, a detokenizer, and this front end.
+
+    ``Engine(model_path, tp_size=1, dtype="auto", device=None, **options)``; options are the fields of
+    ``EngineConfig``. Use as a context manager or call ``shutdown()``; children also stop at interpreter
+    exit and when this process dies.
+    """
+
+    def __init__(self, model_path: str | None = None, *, model: str | None = None, tp_size: int = 1,
+                 dtype: str = "auto", device: str | None = None, **options: Any) -> None:
+        path = model_path or model
+        if not path:
+            raise ValueError("Engine needs a model path")
+        unknown = set(options) - EngineConfig.field_names()
+        if unknown:
+            raise ValueError(f"unknown engine options: {sorted(unknown)}")
+        self.config = EngineConfig(model_path=str(path), tp_size=tp_size, dtype=dtype, device=device or "auto",
+                                   **options)
+        self.model_config = ModelConfig.from_path(self.config.model_path)
+        self.tokenizer = None if self.config.skip_tokenizer_init else _load_tokenizer(self.config)
+        self._procs = launch(self.config)
+        self.tokenizer_manager = TokenizerManager(self.config, self._procs.paths, self.model_config,
+                                                  self.tokenizer, self._procs.context_len, self._procs.alive)
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shutdown, self.tokenizer_manager, self._procs)
+        atexit.register(self._finalizer)
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def generate(self, prompts: PromptInput = None, sampling_params: Any = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None, *, request_id: Any = None,
+                 stream: bool = False, use_tqdm: bool = True) -> list[RequestOutput] | Iterator[RequestOutput]:
+        """Generate for a batch (or one) of prompts: strings, token-id lists, or chat message lists.
+
+        ``sampling_params`` is one SamplingParams/dict for all prompts or one per prompt. Returns a list of
+        RequestOutput in prompt order; with ``stream=True`` an iterator of delta chunks (each chunk holds
+        the tokens and text new since that request's previous chunk) in arrival order.
+        Invalid input raises ValueError before anything is sent.
+        """
+        items = self._normalize(prompts, prompt_token_ids, sampling_params, request_id)
+        if stream:
+            return self._stream(items)
+        return self._run_batch(items, use_tqdm)
+
+    def chat(self, messages: Any, sampling_params: Any = None, **kwargs: Any) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {role, content}) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self.apply_chat_template(c) for c in convs], sampling_params, **kwargs)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    async def async_generate(self, prompts: PromptInput = None, sampling_params: Any = None,
+                             prompt_token_ids: Sequence[Sequence[int]] | None = None, *, request_id: Any = None,
+                             stream: bool = False) -> list[RequestOutput] | AsyncIterator[RequestOutput]:
+        """``generate`` for asyncio callers (any event loop); with ``stream=True`` an async iterator."""
+        items = self._normalize(prompts, prompt_token_ids, sampling_params, request_id)
+        if stream:
+            return self._astream(items)
+        loop = asyncio.get_running_loop()
+        futures = []
+        states = []
+        try:
+            for prompt, ids, params, rid in items:
+                fut = loop.create_future()
+                futures.append(fut)
+                sink = _future_sink(loop, fut)
+                states.append(self.tokenizer_manager.submit(prompt, ids, params, sink, rid))
+            await asyncio.gather(*futures)
+        except BaseException:
+            for state in states:
+                self.tokenizer_manager.abort(state.rid)
+            raise
+        return [self._result(state) for state in states]
+
+    def abort(self, request_id: str) -> None:
+        self.tokenizer_manager.abort(request_id)
+
+    # ---- control ------------------------------------------------------------------------------
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; False if running requests still hold entries."""
+        return self.tokenizer_manager.control("flush_cache")
+
+    reset_prefix_cache = flush_cache
+
+    def get_weight_version(self) -> str:
+        return self.tokenizer_manager.control("get_weight_version")
+
+    def get_server_info(self) -> dict[str, Any]:
+        load = self.tokenizer_manager.control("get_load")
+        return {"context_len": self._procs.context_len, "max_total_tokens": self._procs.num_slots, **load}
+
+    @property
+    def context_len(self) -> int:
+        return self._procs.context_len
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop every subprocess and release the IPC directory (idempotent)."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _normalize(self, prompts: PromptInput, prompt_token_ids: Any, sampling_params: Any,
+                   request_id: Any) -> list[tuple[str | None, list[int] | None, SamplingParams, str | None]]:
+        if self._closed:
+            raise RuntimeError("the engine has been shut down")
+        if prompt_token_ids is not None:
+            if prompts is not None:
+                raise ValueError("pass prompts or prompt_token_ids, not both")
+            if prompt_token_ids and isinstance(prompt_token_ids[0], int):
+                prompt_token_ids = [prompt_token_ids]
+            pairs = [(None, list(ids)) for ids in prompt_token_ids]
+        else:
+            if prompts is None:
+                raise ValueError("no prompts given")
+            if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+                prompts = [prompts]
+            pairs = [self._prompt_pair(p) for p in prompts]
+        if not pairs:
+            raise ValueError("no prompts given")
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(pairs):
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(pairs)} prompts")
+            params = [SamplingParams.from_any(p) for p in sampling_params]
+        else:
+            params = [SamplingParams.from_any(sampling_params)] * len(pairs)
+        rids = request_id if isinstance(request_id, (list, tuple)) else [request_id] * len(pairs)
+        if request_id is not None and not isinstance(request_id, (list, tuple)) and len(pairs) > 1:
+            raise ValueError("one request_id for several prompts: pass a list")
+        tm = self.tokenizer_manager
+        items = [(text, ids if ids is not None else tm.tokenize(text), p, rid)
+                 for (text, ids), p, rid in zip(pairs, params, rids)]
+        for _, ids, p, _ in items:  # validate everything before sending anything
+            tm.validate(ids, p)
+        return items
+
+    def _prompt_pair(self, prompt: Any) -> tuple[str | None, list[int] | None]:
+        if isinstance(prompt, str):
+            return prompt, None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], None
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            return None, self.apply_chat_template(list(prompt))
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def _run_batch(self, items: list, use_tqdm: bool) -> list[RequestOutput]:
+        done: queue.Queue = queue.Queue()
+        states: list[ReqState] = []
+        try:
+            for prompt, ids, params, rid in items:
+                states.append(self.tokenizer_manager.submit(prompt, ids, params, _finish_sink(done), rid))
+            _wait_all(done, len(states), use_tqdm and len(states) > 1)
+        except BaseException:
+            for state in states:
+                self.tokenizer_manager.abort(state.rid)
+            raise
+        return [self._result(state) for state in states]
+
+    def _stream(self, items: list) -> Iterator[RequestOutput]:
+        updates: queue.Queue = queue.Queue()
+        states = [self.tokenizer_manager.submit(prompt, ids, params, updates.put, rid, stream=True)
+                  for prompt, ids, params, rid in items]
+        try:
+            remaining = len(states)
+            while remaining:
+                state = updates.get()
+                chunk = self._chunk(state)
+                if chunk is None:
+                    continue
+                remaining -= chunk.finished
+                yield chunk
+        finally:
+            for state in states:
+                if not state.finished:
+                    self.tokenizer_manager.abort(state.rid)
+
+    async def _astream(self, items: list) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue = asyncio.Queue()
+        sink = lambda state: loop.call_soon_threadsafe(updates.put_nowait, state)  # noqa: E731
+        states = [self.tokenizer_manager.submit(prompt, ids, params, sink, rid, stream=True)
+                  for prompt, ids, params, rid in items]
+        try:
+            remaining = len(states)
+            while remaining:
+                chunk = self._chunk(await updates.get())
+                if chunk is None:
+                    continue
+                remaining -= chunk.finished
+                yield chunk
+        finally:
+            for state in states:
+                if not state.finished:
+                    self.tokenizer_manager.abort(state.rid)
+
+    def _chunk(self, state: ReqState) -> RequestOutput | None:
+        if state.closed:
+            return None
+        if state.error is not None:
+            _raise(state)
+        out = self.tokenizer_manager.build_output(state, delta=True)
+        state.closed = out.finished
+        return out
+
+    def _result(self, state: ReqState) -> RequestOutput:
+        if state.error is not None:
+            _raise(state)
+        return self.tokenizer_manager.build_output(state)
+
+
+def _raise(state: ReqState) -> None:
+    exc = ValueError if state.error_type == "ValueError" else RuntimeError
+    raise exc(f"request {state.rid}: {state.error}")
+
+
+def _finish_sink(done: queue.Queue):
+    def sink(state: ReqState) -> None:
+        if state.finished:
+            done.put(state)
+    return sink
+
+
+def _future_sink(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
+    def resolve() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    def sink(state: ReqState) -> None:
+        if state.finished:
+            loop.call_soon_threadsafe(resolve)
+    return sink
+
+
+def _wait_all(done: queue.Queue, total: int, show: bool) -> None:
+    """Block until ``total`` requests finished, with a tqdm bar showing output tokens/s."""
+    bar = None
+    if show:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)
+    start, tokens = time.monotonic(), 0
+    for _ in range(total):
+        state = done.get()
+        tokens += sum(len(s.token_ids) for s in state.seqs)
+        if bar is not None:
+            bar.set_postfix_str(f"out {tokens / max(time.monotonic() - start, 1e-9):.1f} tok/s", refresh=False)
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+
+def _load_tokenizer(config: EngineConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"could not load a tokenizer from {config.tokenizer_path or config.model_path!r}: {e}")
+
+
+def _shutdown(tokenizer_manager: TokenizerManager, procs: Any) -> None:
+    tokenizer_manager.close()
+    procs.stop()

@@ -1,0 +1,98 @@
+"""Messages between the TokenizerManager, the Schedulers and the Detokenizer (pickled over ZeroMQ)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateReq:
+    """One sequence to generate (one of the ``n`` samples of a user request)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    stream: bool = False
+    group: str | None = None
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class ControlReq:
+    """A call that every TP rank runs (``op`` names a ``Scheduler.handle_<op>`` method)."""
+
+    cid: int
+    op: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ControlReply:
+    cid: int
+    ok: bool
+    result: Any = None
+    error: str | None = None
+    error_type: str = "RuntimeError"
+
+
+@dataclass
+class ShutdownReq:
+    pass
+
+
+@dataclass
+class FinishReason:
+    """``type`` is "stop", "length" or "abort"; ``matched`` the stop token id or stop string."""
+
+    type: str
+    matched: int | str | None = None
+    message: str | None = None
+
+
+@dataclass
+class DecodeSpec:
+    """How the detokenizer renders one request's text."""
+
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    stop: list[str]
+    include_stop_str_in_output: bool
+    prompt_tail: list[int]
+
+
+@dataclass
+class TokenOut:
+    """A request's new tokens since its last message (all of them, at finish, for non-streaming)."""
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    ranks: list[int] | None = None
+    finished: FinishReason | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    weight_version: str = ""
+    spec: DecodeSpec | None = None
+    text: str = ""
+
+
+@dataclass
+class BatchTokenOut:
+    outs: list[TokenOut]
+
+
+@dataclass
+class SchedulerError:
+    """The scheduler hit an unrecoverable error; the engine is unusable."""
+
+    message: str

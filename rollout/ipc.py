@@ -1,0 +1,69 @@
+"""Per-engine IPC addresses, ZeroMQ sockets, and the parent-death watchdog for child processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+
+@dataclass(frozen=True)
+class IPCPaths:
+    """``ipc://`` addresses in a private temporary directory, unique to one engine."""
+
+    root: str
+
+    @classmethod
+    def create(cls) -> "IPCPaths":
+        return cls(tempfile.mkdtemp(prefix="rollout-ipc-"))
+
+    def addr(self, name: str) -> str:
+        return f"ipc://{os.path.join(self.root, name)}"
+
+    @property
+    def scheduler(self) -> str:
+        return self.addr("scheduler")
+
+    @property
+    def detokenizer(self) -> str:
+        return self.addr("detokenizer")
+
+    @property
+    def tokenizer(self) -> str:
+        return self.addr("tokenizer")
+
+    @property
+    def tp_store(self) -> str:
+        return os.path.join(self.root, "tp_store")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if kind == zmq.PUSH:
+        sock.setsockopt(zmq.SNDHWM, 0)
+    if kind == zmq.PULL:
+        sock.setsockopt(zmq.RCVHWM, 0)
+    (sock.bind if bind else sock.connect)(addr)
+    return sock
+
+
+def watch_parent(interval_s: float = 0.5) -> None:
+    """Exit this process as soon as its parent dies (it is re-parented): no orphans."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

@@ -1,0 +1,52 @@
+"""Result objects shaped like vLLM's ``RequestOutput`` (plus ``weight_version`` and ``token_logprobs``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """vLLM's Logprob: the log-probability of one token, its 1-based rank, and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (one of the ``n`` samples of a request).
+
+    ``logprobs[i]`` maps token id → Logprob for generated token ``i`` (the sampled token, plus the
+    top-k alternatives when ``SamplingParams.logprobs = k > 0``); ``token_logprobs[i]`` is the sampled
+    token's logprob as a plain float. Both are None when logprobs were not requested.
+    ``finish_reason`` is "stop", "length" or "abort" (None while running); ``stop_reason`` is the stop
+    token id or stop string that ended it.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    token_logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The outputs of one prompt. In a stream, each chunk holds only what is new since the last chunk."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    weight_version: str = ""
+    num_cached_tokens: int = 0
+    error: str | None = None

@@ -1,0 +1,103 @@
+"""Entry point of a scheduler subprocess (one per TP rank) and its receive/step loop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from typing import Any
+
+import torch
+import zmq
+
+from rollout.config import EngineConfig, ModelConfig
+from rollout.distributed import TPGroup
+from rollout.io_struct import ControlReply, SchedulerError, ShutdownReq
+from rollout.ipc import IPCPaths, socket, watch_parent
+from rollout.logging_utils import configure
+from rollout.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def _device(config: EngineConfig, rank: int) -> torch.device:
+    dev = torch.device(config.resolved_device)
+    if dev.type == "cuda":
+        return torch.device("cuda", (dev.index or 0) + rank)
+    return dev
+
+
+def run_scheduler_process(config: EngineConfig, paths: IPCPaths, rank: int, ready: Any) -> None:
+    """Build the scheduler, report readiness (or the start-up error) on ``ready``, then serve."""
+    watch_parent()
+    configure(config.log_level, f"TP{rank}")
+    if config.resolved_device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
+    ctx = zmq.Context()
+    try:
+        device = _device(config, rank)
+        tp = TPGroup.init(rank, config.tp_size, config.resolved_dist_backend, paths.tp_store, device)
+        model_cfg = ModelConfig.from_path(config.model_path)
+        loop = SchedulerLoop(config, paths, ctx, tp, model_cfg, device)
+        runner = loop.scheduler.runner
+        ready.send({"ok": True, "context_len": runner.context_len, "num_slots": runner.num_slots})
+    except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it
+        ready.send({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
+                    "type": type(e).__name__})
+        return
+    finally:
+        ready.close()
+    loop.run()
+
+
+class SchedulerLoop:
+    """Receives messages (rank 0 from ZeroMQ, others from rank 0), applies them, steps the scheduler."""
+
+    def __init__(self, config: EngineConfig, paths: IPCPaths, ctx: zmq.Context, tp: TPGroup,
+                 model_cfg: ModelConfig, device: torch.device) -> None:
+        self.tp = tp
+        self.recv = self.to_detok = self.to_tokenizer = None
+        if tp.rank == 0:
+            self.recv = socket(ctx, zmq.PULL, paths.scheduler, bind=True)
+            self.to_detok = socket(ctx, zmq.PUSH, paths.detokenizer, bind=False)
+            self.to_tokenizer = socket(ctx, zmq.PUSH, paths.tokenizer, bind=False)
+        send = self.to_detok.send_pyobj if self.to_detok is not None else None
+        self.scheduler = Scheduler(config, model_cfg, tp, device, send_output=send)
+
+    def receive(self) -> list[Any]:
+        """All pending messages; rank 0 waits up to 1 s for one when idle, then shares them."""
+        msgs: list[Any] = []
+        if self.tp.rank == 0:
+            timeout = 0 if self.scheduler.busy else 1000
+            if self.recv.poll(timeout):
+                while True:
+                    try:
+                        msgs.append(self.recv.recv_pyobj(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+        return self.tp.broadcast_object(msgs)
+
+    def run(self) -> None:
+        try:
+            while not self.scheduler.stopped:
+                for msg in self.receive():
+                    reply = self.scheduler.handle(msg)
+                    if reply is not None:
+                        self._reply(reply)
+                if self.scheduler.busy and not self.scheduler.stopped:
+                    self.scheduler.step()
+                else:
+                    self.scheduler.emit()
+        except BaseException as e:  # noqa: BLE001
+            logger.exception("scheduler failed")
+            if self.to_tokenizer is not None:
+                self.to_tokenizer.send_pyobj(SchedulerError(f"TP rank {self.tp.rank}: {type(e).__name__}: {e}"))
+            raise
+        finally:
+            self.tp.destroy()
+
+    def _reply(self, reply: ControlReply) -> None:
+        replies = self.tp.gather_object(reply)
+        if self.tp.rank == 0:
+            failed = [r for r in replies if not r.ok]
+            self.to_tokenizer.send_pyobj(failed[0] if failed else reply)

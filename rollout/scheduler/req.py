@@ -1,0 +1,85 @@
+"""A request as the scheduler sees it: tokens, KV placement, sampling state, finish checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout.io_struct import FinishReason, GenerateReq
+from rollout.sampling_params import SamplingParams
+
+
+class Req:
+    """One sequence being generated.
+
+    ``fill_ids`` = prompt + output so far. ``kv_len`` tokens of it have KV in the cache (slots listed in
+    row ``pool_row`` of the request table); ``prefix_len`` of those belong to the radix tree (locked
+    through ``last_node``), the rest are owned by the request.
+    """
+
+    def __init__(self, msg: GenerateReq, eos_token_ids: tuple[int, ...]) -> None:
+        self.rid = msg.rid
+        self.prompt_ids = list(msg.input_ids)
+        self.sampling: SamplingParams = msg.sampling
+        self.seed = msg.seed
+        self.stream = msg.stream
+        self.group = msg.group
+        self.eos_token_ids = eos_token_ids
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.ranks: list[int] = []
+        self.sent = 0                      # output tokens already sent to the detokenizer
+        self.pool_row: int | None = None
+        self.kv_len = 0
+        self.prefix_len = 0
+        self.last_node: Any = None
+        self.cached_tokens = 0
+        self.cached_tokens_known = False
+        self.finished: FinishReason | None = None
+        self.stop_tail_len = max((len(s) for s in self.sampling.stop), default=0)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.sampling.logprobs is not None
+
+    def append_token(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
+                     rank: int | None) -> None:
+        self.output_ids.append(token)
+        if self.wants_logprobs:
+            self.logprobs.append(logprob)
+            self.ranks.append(rank)
+            if self.sampling.logprobs:
+                self.top_logprobs.append(top or [])
+
+    def check_finished(self, context_len: int, tokenizer: Any) -> None:
+        """Set ``finished`` if the newest token ends the request (order: stop id, stop string, length)."""
+        p = self.sampling
+        last = self.output_ids[-1]
+        n = len(self.output_ids)
+        if n >= p.min_new_tokens:
+            if last in p.stop_token_ids or (not p.ignore_eos and last in self.eos_token_ids):
+                self.finished = FinishReason("stop", matched=last)
+                return
+            if p.stop and tokenizer is not None:
+                matched = self._match_stop_string(tokenizer)
+                if matched is not None:
+                    self.finished = FinishReason("stop", matched=matched)
+                    return
+        if n >= p.max_new_tokens or self.seq_len >= context_len:
+            self.finished = FinishReason("length")
+
+    def _match_stop_string(self, tokenizer: Any) -> str | None:
+        tail_ids = self.output_ids[-(self.stop_tail_len + 1):]
+        tail = tokenizer.decode(tail_ids, skip_special_tokens=self.sampling.skip_special_tokens)
+        for stop in self.sampling.stop:
+            if stop in tail:
+                return stop
+        return None

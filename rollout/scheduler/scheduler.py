@@ -1,0 +1,375 @@
+"""The scheduler of one TP rank: continuous batching over a paged KV pool with a radix prefix cache.
+
+Every rank runs this same loop on the same inputs (rank 0 receives them and broadcasts), so every rank
+makes the same decisions; only rank 0 talks to the detokenizer and answers control calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from rollout.config import EngineConfig, ModelConfig
+from rollout.distributed import TPGroup
+from rollout.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq, DecodeSpec, FinishReason,
+                               GenerateReq, ShutdownReq, TokenOut)
+from rollout.layers.sampler import SamplingRow
+from rollout.mem_cache.radix_cache import RadixCache
+from rollout.model_executor.forward_batch import ForwardMode
+from rollout.model_executor.model_runner import ModelRunner, StepInput
+from rollout.scheduler.req import Req
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Request queue, batch formation, KV accounting and output emission for one TP rank."""
+
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, tp: TPGroup, device: torch.device,
+                 send_output: Any = None) -> None:
+        self.config = config
+        self.model_cfg = model_cfg
+        self.tp = tp
+        self.runner = ModelRunner(config, model_cfg, tp, device)
+        self.allocator = self.runner.allocator
+        self.req_pool = self.runner.req_to_token
+        self.tree = RadixCache(self.allocator.free, disabled=config.disable_radix_cache)
+        self.send_output = send_output
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.reqs: dict[str, Req] = {}
+        self.weight_version = config.weight_version
+        self.stopped = False
+        self._tokenizer = None
+        self._pending: list[Req] = []
+        self.stats = SchedulerStats()
+
+    @property
+    def context_len(self) -> int:
+        return self.runner.context_len
+
+    # ---- inputs -------------------------------------------------------------------------------
+
+    def handle(self, msg: Any) -> ControlReply | None:
+        """Apply one incoming message; returns this rank's reply for control calls."""
+        if isinstance(msg, GenerateReq):
+            self.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort(msg.rid)
+        elif isinstance(msg, ControlReq):
+            return self.run_control(msg)
+        elif isinstance(msg, ShutdownReq):
+            self.stopped = True
+        return None
+
+    def add_request(self, msg: GenerateReq) -> None:
+        req = Req(msg, self.model_cfg.eos_token_ids)
+        self.reqs[req.rid] = req
+        if len(req.prompt_ids) + 1 > self.context_len:
+            self.finish(req, FinishReason("abort", message=(
+                f"prompt of {len(req.prompt_ids)} tokens does not fit the context of {self.context_len}")))
+            return
+        if req.sampling.max_new_tokens == 0:
+            self.finish(req, FinishReason("length"))
+            return
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is None or req.finished is not None:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        self.release(req)
+        self.finish(req, FinishReason("abort", message="aborted"))
+
+    def run_control(self, msg: ControlReq) -> ControlReply:
+        handler = getattr(self, f"handle_{msg.op}", None)
+        if handler is None:
+            return ControlReply(msg.cid, False, error=f"unknown control call {msg.op!r}", error_type="ValueError")
+        try:
+            return ControlReply(msg.cid, True, result=handler(**msg.kwargs))
+        except ValueError as e:
+            return ControlReply(msg.cid, False, error=str(e), error_type="ValueError")
+        except Exception as e:  # noqa: BLE001 - reported to the caller, the engine keeps serving
+            logger.exception("control call %s failed", msg.op)
+            return ControlReply(msg.cid, False, error=f"{type(e).__name__}: {e}")
+
+    def handle_flush_cache(self) -> bool:
+        return self.tree.flush()
+
+    def handle_get_weight_version(self) -> str:
+        return self.weight_version
+
+    def handle_get_load(self) -> dict[str, int]:
+        return {"running": len(self.running) + (self.chunked is not None), "waiting": len(self.waiting),
+                "kv_used": self.allocator.num_slots - self.allocator.available - self.tree.evictable_size,
+                "kv_total": self.allocator.num_slots}
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def step(self) -> None:
+        """Form one batch (prefill first, else decode), run it, and emit outputs."""
+        step = self.schedule_prefill() if (self.waiting or self.chunked) else None
+        if step is None and self.running:
+            step = self.schedule_decode()
+        if step is not None:
+            reqs, inputs = step
+            logits = self.runner.forward(inputs)
+            if inputs.mode == ForwardMode.EXTEND:
+                self.stats.prefill_tokens += sum(inputs.extend_lens)
+            self.process_results(reqs, inputs, logits)
+        self.emit()
+        self.stats.maybe_log(self)
+
+    # ---- prefill ------------------------------------------------------------------------------
+
+    def schedule_prefill(self) -> tuple[list[Req], StepInput] | None:
+        budget = self.config.max_prefill_tokens
+        reqs: list[Req] = []
+        lens: list[int] = []
+        if self.chunked is not None:
+            n = self._admit_chunk(self.chunked, budget, headroom=len(self.running))
+            if n == 0:
+                return None
+            reqs.append(self.chunked), lens.append(n)
+            budget -= n
+            if self.chunked.kv_len + n < self.chunked.seq_len:
+                return reqs, self._extend_input(reqs, lens)
+        in_batch = RadixCache(lambda slots: None)
+        deferred: list[Req] = []
+        while self.waiting and budget > 0:
+            if len(self.running) + len(reqs) >= self.config.max_running_requests or not self.req_pool.available:
+                break
+            req = self.waiting.popleft()
+            if req.seq_len + 1 > self.allocator.num_slots:
+                self.finish(req, FinishReason("abort", message="sequence does not fit in the KV cache"))
+                continue
+            n = self._admit_new(req, budget, len(self.running) + len(reqs), in_batch)
+            if n is None:
+                deferred.append(req)
+                continue
+            if n == 0:
+                self.waiting.appendleft(req)
+                break
+            reqs.append(req), lens.append(n)
+            budget -= n
+            if req.kv_len + n < req.seq_len:
+                self.chunked = req
+                break
+        self.waiting.extendleft(reversed(deferred))
+        if not reqs:
+            return None
+        return reqs, self._extend_input(reqs, lens)
+
+    def _admit_new(self, req: Req, budget: int, headroom: int, in_batch: RadixCache) -> int | None:
+        """Place a waiting request's cached prefix and first chunk; 0 = no room now, None = defer."""
+        fill = req.fill_ids
+        prefix, node = self.tree.match_prefix(fill[:-1])
+        shared, _ = in_batch.match_prefix(fill[:-1])
+        extra = len(shared) - len(prefix)
+        if extra > 0 and extra >= min(self.config.in_batch_prefix_threshold, len(fill) - 1 - len(prefix)):
+            return None  # computed by a request already in this batch: wait and reuse its cache entry
+        self.tree.inc_lock_ref(node)
+        chunk = min(len(fill) - len(prefix), budget, self.config.chunked_prefill_size)
+        if not self._ensure_slots(chunk + headroom):
+            self.tree.dec_lock_ref(node)
+            return 0
+        in_batch.insert(fill, torch.zeros(len(fill), dtype=torch.int64))
+        req.pool_row = self.req_pool.alloc()
+        self.req_pool.write(req.pool_row, 0, prefix)
+        req.kv_len = req.prefix_len = len(prefix)
+        req.last_node = node
+        if not req.cached_tokens_known:
+            req.cached_tokens, req.cached_tokens_known = len(prefix), True
+        return chunk
+
+    def _admit_chunk(self, req: Req, budget: int, headroom: int) -> int:
+        chunk = min(req.seq_len - req.kv_len, budget, self.config.chunked_prefill_size)
+        return chunk if self._ensure_slots(chunk + headroom) else 0
+
+    def _extend_input(self, reqs: list[Req], lens: list[int]) -> StepInput:
+        slots = self.allocator.alloc(sum(lens))
+        ids, pos, offset = [], [], 0
+        for req, n in zip(reqs, lens):
+            self.req_pool.write(req.pool_row, req.kv_len, slots[offset:offset + n])
+            ids.extend(req.fill_ids[req.kv_len:req.kv_len + n])
+            pos.extend(range(req.kv_len, req.kv_len + n))
+            offset += n
+        return StepInput(ForwardMode.EXTEND, [r.pool_row for r in reqs], ids, pos, slots,
+                         [r.kv_len + n for r, n in zip(reqs, lens)], lens)
+
+    # ---- decode -------------------------------------------------------------------------------
+
+    def schedule_decode(self) -> tuple[list[Req], StepInput] | None:
+        while not self._ensure_slots(len(self.running)):
+            victim = self.running.pop()
+            if not self.running:
+                self.release(victim)
+                self.finish(victim, FinishReason("abort", message="sequence does not fit in the KV cache"))
+                return None
+            self.retract(victim)
+        reqs = list(self.running)
+        slots = self.allocator.alloc(len(reqs))
+        for req, slot in zip(reqs, slots):
+            self.req_pool.write(req.pool_row, req.kv_len, slot.view(1))
+        return reqs, StepInput(ForwardMode.DECODE, [r.pool_row for r in reqs], [r.output_ids[-1] for r in reqs],
+                               [r.kv_len for r in reqs], slots, [r.kv_len + 1 for r in reqs], [1] * len(reqs))
+
+    def retract(self, req: Req) -> None:
+        """Give a running request's KV back and requeue it at the front; it resumes by re-prefilling."""
+        self.release(req)
+        self.waiting.appendleft(req)
+        self.stats.retractions += 1
+
+    # ---- results ------------------------------------------------------------------------------
+
+    def process_results(self, reqs: list[Req], step: StepInput, logits: torch.Tensor) -> None:
+        done = []
+        for i, (req, n) in enumerate(zip(reqs, step.extend_lens)):
+            req.kv_len += n
+            if req.kv_len == req.seq_len:
+                done.append(i)
+        if not done:
+            return
+        sampled = [reqs[i] for i in done]
+        out = self.runner.sample(logits[done] if len(done) < len(reqs) else logits,
+                                 [self._sampling_row(r) for r in sampled])
+        ids = out.next_token_ids.tolist()
+        lps = out.logprobs.tolist()
+        ranks = out.ranks.tolist()
+        top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        for j, req in enumerate(sampled):
+            if step.mode == ForwardMode.EXTEND:
+                if self.chunked is req:
+                    self.chunked = None
+                self.cache_prefix(req)
+                self.running.append(req)
+            k = req.sampling.logprobs or 0
+            top = list(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids is not None else None
+            req.append_token(ids[j], lps[j], top, ranks[j])
+            req.check_finished(self.context_len, self.tokenizer if req.sampling.stop else None)
+            self.stats.gen_tokens += 1
+            if req.finished is not None:
+                self.running.remove(req)
+                self.release(req)
+                self.finish(req, req.finished)
+
+    def _sampling_row(self, req: Req) -> SamplingRow:
+        return SamplingRow(params=req.sampling, seed=req.seed, output_len=len(req.output_ids),
+                           prompt_token_ids=req.prompt_ids, output_token_ids=req.output_ids,
+                           eos_token_ids=list(self.model_cfg.eos_token_ids))
+
+    # ---- KV bookkeeping -----------------------------------------------------------------------
+
+    def _ensure_slots(self, n: int) -> bool:
+        short = n - self.allocator.available
+        if short > 0:
+            self.tree.evict(short)
+        return self.allocator.available >= n
+
+    def cache_prefix(self, req: Req) -> None:
+        """Hand a freshly prefilled request's KV to the radix tree so later requests can share it."""
+        if self.tree.disabled:
+            return
+        tokens = req.fill_ids[:req.kv_len]
+        slots = self.req_pool.slots(req.pool_row, req.kv_len)
+        already = self.tree.insert(tokens, slots)
+        self.allocator.free(slots[req.prefix_len:already])
+        shared, node = self.tree.match_prefix(tokens)
+        self.req_pool.write(req.pool_row, req.prefix_len, shared[req.prefix_len:already])
+        self.tree.inc_lock_ref(node)
+        self.tree.dec_lock_ref(req.last_node)
+        req.last_node, req.prefix_len = node, req.kv_len
+
+    def release(self, req: Req) -> None:
+        """Return a request's KV: computed tokens go to the radix tree (or are freed), its row is freed."""
+        if req.pool_row is None:
+            return
+        slots = self.req_pool.slots(req.pool_row, req.kv_len)
+        if self.tree.disabled:
+            self.allocator.free(slots)
+        else:
+            already = self.tree.insert(req.fill_ids[:req.kv_len], slots)
+            self.allocator.free(slots[req.prefix_len:already])
+            self.tree.dec_lock_ref(req.last_node)
+        self.req_pool.free(req.pool_row)
+        req.pool_row, req.kv_len, req.prefix_len, req.last_node = None, 0, 0, None
+
+    # ---- outputs ------------------------------------------------------------------------------
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        req.finished = reason
+        self.reqs.pop(req.rid, None)
+        self._pending.append(req)
+
+    def emit(self) -> None:
+        """Send new tokens of streaming requests and every finished request to the detokenizer."""
+        outs = [self._token_out(r) for r in self._pending]
+        self._pending.clear()
+        outs += [self._token_out(r) for r in self.running if r.stream and len(r.output_ids) > r.sent]
+        if outs and self.send_output is not None and self.tp.rank == 0:
+            self.send_output(BatchTokenOut(outs))
+
+    def _token_out(self, req: Req) -> TokenOut:
+        start, end = req.sent, len(req.output_ids)
+        p = req.sampling
+        spec = None
+        if start == 0:
+            spec = DecodeSpec(p.skip_special_tokens, p.spaces_between_special_tokens, p.stop,
+                              p.include_stop_str_in_output, req.prompt_ids[-6:])
+        req.sent = end
+        return TokenOut(
+            rid=req.rid, token_ids=req.output_ids[start:end],
+            logprobs=req.logprobs[start:end] if req.wants_logprobs else None,
+            top_logprobs=req.top_logprobs[start:end] if p.logprobs else None,
+            ranks=req.ranks[start:end] if req.wants_logprobs else None,
+            finished=req.finished, prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
+            completion_tokens=end, weight_version=self.weight_version, spec=spec)
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path or self.config.model_path)
+        return self._tokenizer
+
+
+class SchedulerStats:
+    """Counters behind the periodic log line."""
+
+    def __init__(self) -> None:
+        self.prefill_tokens = 0
+        self.gen_tokens = 0
+        self.retractions = 0
+        self._last_log = time.monotonic()
+        self._last_prefill = 0
+        self._last_gen = 0
+
+    def maybe_log(self, s: Scheduler) -> None:
+        now = time.monotonic()
+        dt = now - self._last_log
+        if dt < s.config.log_interval_s or s.tp.rank != 0 or not s.busy:
+            return
+        load = s.handle_get_load()
+        logger.info("running %d, queued %d, KV %d/%d (%.1f%%), prefill %.1f tok/s, gen %.1f tok/s, "
+                    "retracted %d, weight version %s", load["running"], load["waiting"], load["kv_used"],
+                    load["kv_total"], 100.0 * load["kv_used"] / load["kv_total"],
+                    (self.prefill_tokens - self._last_prefill) / dt, (self.gen_tokens - self._last_gen) / dt,
+                    self.retractions, s.weight_version)
+        self._last_log, self._last_prefill, self._last_gen = now, self.prefill_tokens, self.gen_tokens
