@@ -113,7 +113,8 @@ class Scheduler:
     def handle_get_load(self) -> dict[str, int]:
         return {"running": len(self.running) + (self.chunked is not None), "waiting": len(self.waiting),
                 "kv_used": self.allocator.num_slots - self.allocator.available - self.tree.evictable_size,
-                "kv_total": self.allocator.num_slots}
+                "kv_total": self.allocator.num_slots, "retractions": self.stats.retractions,
+                "cached_tokens": self.tree.total_size}
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -195,21 +196,27 @@ class Scheduler:
         req.last_node = node
         if not req.cached_tokens_known:
             req.cached_tokens, req.cached_tokens_known = len(prefix), True
+        self._place_chunk(req, chunk)
         return chunk
 
     def _admit_chunk(self, req: Req, budget: int, headroom: int) -> int:
         chunk = min(req.seq_len - req.kv_len, budget, self.config.chunked_prefill_size)
-        return chunk if self._ensure_slots(chunk + headroom) else 0
+        if not self._ensure_slots(chunk + headroom):
+            return 0
+        self._place_chunk(req, chunk)
+        return chunk
+
+    def _place_chunk(self, req: Req, n: int) -> None:
+        """Take ``n`` slots (already ensured free) for the request's next ``n`` tokens."""
+        self.req_pool.write(req.pool_row, req.kv_len, self.allocator.alloc(n))
 
     def _extend_input(self, reqs: list[Req], lens: list[int]) -> StepInput:
-        slots = self.allocator.alloc(sum(lens))
-        ids, pos, offset = [], [], 0
+        ids, pos, slots = [], [], []
         for req, n in zip(reqs, lens):
-            self.req_pool.write(req.pool_row, req.kv_len, slots[offset:offset + n])
             ids.extend(req.fill_ids[req.kv_len:req.kv_len + n])
             pos.extend(range(req.kv_len, req.kv_len + n))
-            offset += n
-        return StepInput(ForwardMode.EXTEND, [r.pool_row for r in reqs], ids, pos, slots,
+            slots.append(self.req_pool.slots(req.pool_row, req.kv_len + n)[req.kv_len:])
+        return StepInput(ForwardMode.EXTEND, [r.pool_row for r in reqs], ids, pos, torch.cat(slots),
                          [r.kv_len + n for r, n in zip(reqs, lens)], lens)
 
     # ---- decode -------------------------------------------------------------------------------

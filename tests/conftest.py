@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny random checkpoints and the transformers reference."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from tiny_models import make_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """tiny_dir(arch, **overrides) → path of a cached random checkpoint."""
+    made: dict = {}
+
+    def get(arch: str = "llama", **overrides) -> str:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in made:
+            path = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
+            made[key] = make_tiny_checkpoint(path, arch, **overrides)
+        return made[key]
+
+    return get
+
+
+class HFReference:
+    """transformers on the same checkpoint: greedy generate and teacher-forced log-probabilities."""
+
+    def __init__(self, path: str, dtype: torch.dtype = torch.float32) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        self.eos = self.model.generation_config.eos_token_id
+        self.model.generation_config.eos_token_id = None
+
+    @torch.no_grad()
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
+        """``generate`` with do_sample=False; EOS ends the sequence only with ``stop_at_eos``."""
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                                  eos_token_id=self.eos if stop_at_eos else None)
+        out = self.model.generate(torch.tensor([prompt_ids]), generation_config=config)
+        return out[0, len(prompt_ids):].tolist()
+
+    @torch.no_grad()
+    def logprobs(self, prompt_ids: list[int], output_ids: list[int]) -> list[float]:
+        """log_softmax of HF's logits at each generated token."""
+        ids = torch.tensor([prompt_ids + output_ids])
+        logits = self.model(ids).logits[0, len(prompt_ids) - 1:-1].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        return lp[torch.arange(len(output_ids)), torch.tensor(output_ids)].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    cache: dict = {}
+
+    def get(path: str) -> HFReference:
+        if path not in cache:
+            cache[path] = HFReference(path)
+        return cache[path]
+
+    return get
+
+
+def prompts_of_lengths(lengths: list[int], vocab: int = 500, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
