@@ -1,0 +1,160 @@
+"""The Python API: chat, async, streaming, abort, bad input (per request), two engines at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+
+import pytest
+
+from conftest import prompts_of_lengths
+from rollout import Engine, RequestOutput, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def path(tiny_dir):
+    return tiny_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def engine(path):
+    with Engine(path, dtype="float32", device="cpu") as e:
+        yield e
+
+
+def test_text_prompts_and_output_shape(engine, path, hf_reference):
+    outs = engine.generate(["hello world", "the sky is"], SamplingParams(temperature=0, max_new_tokens=6, logprobs=2),
+                           use_tqdm=False)
+    assert len(outs) == 2 and all(isinstance(o, RequestOutput) for o in outs)
+    for out in outs:
+        ids = engine.tokenizer.encode(out.prompt)
+        assert out.prompt_token_ids == ids and out.finished
+        c = out.outputs[0]
+        assert c.token_ids == hf_reference(path).greedy(ids, 6, stop_at_eos=True)
+        assert c.text == engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        assert len(c.logprobs) == len(c.token_ids) == len(c.token_logprobs)
+        for tok, lp, entry in zip(c.token_ids, c.token_logprobs, c.logprobs):
+            assert entry[tok].logprob == lp and 1 <= len(entry) <= 3
+            assert all(v.logprob <= max(x.logprob for x in entry.values()) for v in entry.values())
+        assert c.cumulative_logprob == pytest.approx(sum(c.token_logprobs))
+        assert out.weight_version == "0"
+
+
+def test_chat_uses_the_template(engine):
+    messages = [{"role": "user", "content": "the sky is"}]
+    ids = engine.apply_chat_template(messages)
+    via_chat = engine.chat(messages, GREEDY, use_tqdm=False)[0]
+    direct = engine.generate(prompt_token_ids=[ids], sampling_params=GREEDY, use_tqdm=False)[0]
+    assert via_chat.prompt_token_ids == ids
+    assert via_chat.outputs[0].token_ids == direct.outputs[0].token_ids
+
+
+def test_stream_chunks_add_up_to_the_result(engine):
+    prompts = ["one two three", "the red car", "hello"]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    final = engine.generate(prompts, params, use_tqdm=False)
+    tokens = {o.request_id: [] for o in []}
+    texts: dict[str, str] = {}
+    ids: dict[str, list[int]] = {}
+    finished = set()
+    for chunk in engine.generate(prompts, params, stream=True):
+        ids.setdefault(chunk.prompt, []).extend(chunk.outputs[0].token_ids)
+        texts[chunk.prompt] = texts.get(chunk.prompt, "") + chunk.outputs[0].text
+        if chunk.finished:
+            finished.add(chunk.prompt)
+    assert finished == set(prompts) and not tokens
+    for out in final:
+        assert ids[out.prompt] == out.outputs[0].token_ids
+        assert texts[out.prompt] == out.outputs[0].text
+
+
+def test_async_generate_concurrent_and_stream(engine):
+    prompts = prompts_of_lengths([5, 9, 14, 3], seed=8)
+
+    async def main():
+        singles = await asyncio.gather(*[engine.async_generate(prompt_token_ids=[p], sampling_params=GREEDY)
+                                         for p in prompts])
+        stream = await engine.async_generate(prompt_token_ids=[prompts[0]], sampling_params=GREEDY, stream=True)
+        streamed = [t async for chunk in stream for t in chunk.outputs[0].token_ids]
+        return [s[0] for s in singles], streamed
+
+    singles, streamed = asyncio.run(main())
+    batch = engine.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert [s.outputs[0].token_ids for s in singles] == [b.outputs[0].token_ids for b in batch]
+    assert streamed == batch[0].outputs[0].token_ids
+
+
+def test_abort_a_running_request(engine):
+    params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+    stream = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, stream=True, request_id="long")
+    first = next(stream)
+    engine.abort("long")
+    last = first
+    for last in stream:
+        pass
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY, use_tqdm=False)[0].finished
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(prompt_token_ids=[[]]), "empty"),
+    (dict(prompt_token_ids=[[1, 2, 10**6]]), "vocabulary"),
+    (dict(prompt_token_ids=[[-1, 2]]), "vocabulary"),
+    (dict(prompt_token_ids=[[3] * 600]), "context length"),
+    (dict(prompts=[""]), "empty"),
+    (dict(prompts=["hi"], sampling_params={"temperature": -1}), "temperature"),
+    (dict(prompts=["hi"], sampling_params={"top_p": 1.5}), "top_p"),
+    (dict(prompts=["hi"], sampling_params={"max_tokens": -3}), "max_new_tokens"),
+    (dict(prompts=["hi"], sampling_params={"bogus": 1}), "bogus"),
+    (dict(prompts=["hi"], sampling_params={"stop_token_ids": [10**6]}), "stop_token_ids"),
+    (dict(prompts=["hi"], sampling_params={"logprobs": 50}), "logprobs"),
+])
+def test_bad_input_is_a_clear_value_error_and_the_engine_keeps_serving(engine, bad, match):
+    with pytest.raises(ValueError, match=match):
+        engine.generate(use_tqdm=False, **bad)
+    assert engine.generate(["hello"], GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_a_bad_request_fails_only_its_caller(engine):
+    results: dict[str, object] = {}
+
+    def good():
+        results["good"] = engine.generate(["the sky"], SamplingParams(max_new_tokens=40, temperature=0,
+                                                                      ignore_eos=True), use_tqdm=False)
+
+    t = threading.Thread(target=good)
+    t.start()
+    with pytest.raises(ValueError):
+        engine.generate(prompt_token_ids=[[1, 2, 10**6]], sampling_params=GREEDY, use_tqdm=False)
+    t.join()
+    assert len(results["good"][0].outputs[0].token_ids) == 40
+
+
+def test_unsupported_architecture(tmp_path, path):
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        Engine(str(tmp_path), device="cpu")
+    with pytest.raises(ValueError, match="no config.json"):
+        Engine(str(tmp_path / "missing"), device="cpu")
+
+
+def test_two_engines_in_one_process(engine, tiny_dir, hf_reference, path):
+    other_path = tiny_dir("qwen3")
+    prompts = prompts_of_lengths([6, 12], seed=9)
+    results: dict[str, list] = {}
+    with Engine(other_path, dtype="float32", device="cpu") as other:
+        def run(name, e):
+            results[name] = e.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        threads = [threading.Thread(target=run, args=(n, e)) for n, e in (("a", engine), ("b", other))]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+    for name, p in (("a", path), ("b", other_path)):
+        for prompt, out in zip(prompts, results[name]):
+            assert out.outputs[0].token_ids == hf_reference(p).greedy(prompt, 10)

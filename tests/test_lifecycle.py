@@ -1,0 +1,82 @@
+"""Process lifecycle: readiness errors reach the caller, shutdown and parent death leave no children."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from rollout import Engine, SamplingParams
+
+
+def _gone(pids: list[int], timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_shutdown_leaves_no_children(tiny_dir):
+    engine = Engine(tiny_dir("llama"), device="cpu", tp_size=2)
+    pids = [p.pid for p in engine._procs.procs]
+    assert len(pids) == 3
+    ipc_dir = engine._procs.paths.root
+    assert engine.generate(prompt_token_ids=[[4, 5, 6]], sampling_params=SamplingParams(max_new_tokens=3),
+                           use_tqdm=False)[0].finished
+    engine.shutdown()
+    assert _gone(pids)
+    assert not os.path.exists(ipc_dir)
+    engine.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate(prompt_token_ids=[[4, 5, 6]], use_tqdm=False)
+
+
+def test_child_startup_error_reaches_the_caller(tiny_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir("llama"), broken)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(broken / "model.safetensors"))
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    before = set(p.pid for p in psutil.Process().children(recursive=True))
+    with pytest.raises(ValueError, match="missing 1 parameters"):
+        Engine(str(broken), device="cpu")
+    new = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert _gone(new)
+
+
+_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from rollout import Engine
+    if __name__ == "__main__":
+        engine = Engine(sys.argv[1], device="cpu", tp_size=int(sys.argv[2]))
+        print(" ".join(str(p.pid) for p in engine._procs.procs), flush=True)
+        if sys.argv[3] == "exit":
+            sys.exit(0)
+        time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit"])
+def test_children_exit_when_the_parent_dies_or_exits(tiny_dir, tmp_path, how):
+    script = tmp_path / "parent.py"
+    script.write_text(_SCRIPT)
+    parent = subprocess.Popen([sys.executable, str(script), tiny_dir("llama"), "2", how], stdout=subprocess.PIPE,
+                              text=True)
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 3
+    if how == "sigkill":
+        parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=60)
+    assert _gone(pids), "engine subprocesses outlived their parent"
