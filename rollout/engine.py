@@ -114,6 +114,10 @@ class Engine:
         load = self.tokenizer_manager.control("get_load")
         return {"context_len": self._procs.context_len, "max_total_tokens": self._procs.num_slots, **load}
 
+    def get_step_stats(self, reset: bool = False) -> dict[str, Any]:
+        """Scheduler timings (decode steps by batch size, prefill totals); ``reset`` starts a new window."""
+        return self.tokenizer_manager.control("get_step_stats", reset=reset)
+
     @property
     def context_len(self) -> int:
         return self._procs.context_len

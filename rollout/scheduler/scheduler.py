@@ -110,6 +110,10 @@ class Scheduler:
     def handle_get_weight_version(self) -> str:
         return self.weight_version
 
+    def handle_get_step_stats(self, reset: bool = False) -> dict[str, Any]:
+        """Forward+sample timings: decode steps grouped by batch size, prefill token counts."""
+        return self.stats.snapshot(reset)
+
     def handle_get_load(self) -> dict[str, int]:
         return {"running": len(self.running) + (self.chunked is not None), "waiting": len(self.waiting),
                 "kv_used": self.allocator.num_slots - self.allocator.available - self.tree.evictable_size,
@@ -129,10 +133,10 @@ class Scheduler:
             step = self.schedule_decode()
         if step is not None:
             reqs, inputs = step
+            start = time.perf_counter()
             logits = self.runner.forward(inputs)
-            if inputs.mode == ForwardMode.EXTEND:
-                self.stats.prefill_tokens += sum(inputs.extend_lens)
             self.process_results(reqs, inputs, logits)
+            self.stats.record(inputs, time.perf_counter() - start)
         self.emit()
         self.stats.maybe_log(self)
 
@@ -364,9 +368,35 @@ class SchedulerStats:
         self.prefill_tokens = 0
         self.gen_tokens = 0
         self.retractions = 0
+        self.decode_steps: dict[int, list[float]] = {}  # batch size → [count, total seconds, total kv tokens]
+        self.prefill_steps = [0, 0.0, 0]                # count, seconds, tokens
         self._last_log = time.monotonic()
         self._last_prefill = 0
         self._last_gen = 0
+
+    def record(self, step: StepInput, seconds: float) -> None:
+        if step.mode == ForwardMode.EXTEND:
+            n = sum(step.extend_lens)
+            self.prefill_tokens += n
+            self.prefill_steps[0] += 1
+            self.prefill_steps[1] += seconds
+            self.prefill_steps[2] += n
+        else:
+            entry = self.decode_steps.setdefault(len(step.seq_lens), [0, 0.0, 0])
+            entry[0] += 1
+            entry[1] += seconds
+            entry[2] += sum(step.seq_lens)
+
+    def snapshot(self, reset: bool) -> dict[str, Any]:
+        out = {"decode": {b: {"steps": c, "seconds": t, "kv_tokens": k} for b, (c, t, k) in self.decode_steps.items()},
+               "prefill": {"steps": self.prefill_steps[0], "seconds": self.prefill_steps[1],
+                           "tokens": self.prefill_steps[2]},
+               "gen_tokens": self.gen_tokens, "prefill_tokens": self.prefill_tokens,
+               "retractions": self.retractions}
+        if reset:
+            self.decode_steps = {}
+            self.prefill_steps = [0, 0.0, 0]
+        return out
 
     def maybe_log(self, s: Scheduler) -> None:
         now = time.monotonic()
