@@ -140,6 +140,7 @@ class EngineConfig:
     log_interval_s: float = 5.0
     log_level: str = "WARNING"
     weight_version: str = "0"
+    keep_weight_copy: bool = False
     skip_tokenizer_init: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 

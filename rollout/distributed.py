@@ -78,6 +78,14 @@ class TPGroup:
         dist.gather_object(obj, out, dst=0, group=self.cpu_group)
         return out
 
+    def all_true(self, flag: bool) -> bool:
+        """True on every rank iff ``flag`` is True on every rank."""
+        if self.size == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return bool(t.item())
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.cpu_group)

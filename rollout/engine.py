@@ -102,7 +102,8 @@ class Engine:
     # ---- control ------------------------------------------------------------------------------
 
     def flush_cache(self) -> bool:
-        """Drop the prefix cache; False if running requests still hold entries."""
+        """Drop the prefix cache (False if running requests still hold entries); also completes an
+        open per-tensor weight update."""
         return self.tokenizer_manager.control("flush_cache")
 
     reset_prefix_cache = flush_cache
@@ -117,6 +118,96 @@ class Engine:
     def get_step_stats(self, reset: bool = False) -> dict[str, Any]:
         """Scheduler timings (decode steps by batch size, prefill totals); ``reset`` starts a new window."""
         return self.tokenizer_manager.control("get_step_stats", reset=reset)
+
+    # ---- weight sync (DESIGN.md §6) ------------------------------------------------------------
+
+    def init_process_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                           group_name: str = "weight_update_group", backend: str = "nccl",
+                           timeout: float | None = None, async_op: bool = False) -> Any:
+        """Join a weight-update group: TP rank r joins as ``rank_offset + r`` (the trainer is rank 0).
+
+        Blocks until the trainer joins too, so a trainer holding this engine in its own process passes
+        ``async_op=True`` (a Future is returned), then calls ``weight_sync.init_process_group``.
+        """
+        return self._call("init_process_group", async_op, master_address=master_address, master_port=master_port,
+                          rank_offset=rank_offset, world_size=world_size, group_name=group_name, backend=backend,
+                          timeout=timeout)
+
+    def destroy_process_group(self, group_name: str = "weight_update_group") -> Any:
+        return self._call("destroy_process_group", False, group_name=group_name)
+
+    def update_weight(self, name: str, dtype: Any, shape: Any, empty_cache: bool = False,
+                      async_op: bool = False) -> Any:
+        """OpenRLHF's per-tensor update: receive one broadcast from rank 0 and load it in place.
+
+        ``empty_cache=True`` (OpenRLHF passes it with the last parameter) completes the update: the
+        prefix cache is flushed and the weight version bumped. Until then new requests are held.
+        """
+        return self._call("update_weight", async_op, name=name, dtype=_dtype_str(dtype), shape=list(shape),
+                          empty_cache=empty_cache)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[Any], shapes: list[Any],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        weight_version: str | None = None, load_format: str | None = None,
+                                        check_finite: bool = False, async_op: bool = False) -> Any:
+        """SGLang's bucketed update: receive ``names`` broadcast by rank 0 (one flat buffer with
+        ``load_format="flattened_bucket"``) and load them. ``flush_cache=True`` completes the update."""
+        return self._call("update_weights_from_distributed", async_op, names=list(names),
+                          dtypes=[_dtype_str(d) for d in dtypes], shapes=[list(s) for s in shapes],
+                          group_name=group_name, flush_cache=flush_cache, weight_version=weight_version,
+                          load_format=load_format, check_finite=check_finite)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> Any:
+        """Reload every parameter from a checkpoint directory (validated against its headers first)."""
+        return self._call("update_weights_from_disk", False, model_path=str(model_path),
+                          weight_version=weight_version)
+
+    def update_weights_from_tensor(self, named_tensors: Any, weight_version: str | None = None,
+                                   flush_cache: bool = True, check_finite: bool = False,
+                                   async_op: bool = False) -> Any:
+        """Load tensors from a colocated trainer: CUDA IPC handles on GPU, one shared-memory buffer on CPU."""
+        from rollout.shared_tensors import share
+
+        named = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        specs, payload, cleanup = share(named)
+        fut = self.tokenizer_manager.control_async("update_weights_from_tensor", specs=specs, payload=payload,
+                                                   flush_cache=flush_cache, weight_version=weight_version,
+                                                   check_finite=check_finite)
+        fut.add_done_callback(lambda _: cleanup())
+        return fut if async_op else fut.result()
+
+    def rollback_weights(self) -> Any:
+        """Restore the copy kept at the start of the last update (needs ``keep_weight_copy=True``)."""
+        return self._call("rollback_weights", False)
+
+    def pause_generation(self, mode: str = "abort") -> Any:
+        """Hold new requests; ``abort`` in-flight ones, ``retract`` them (re-run later) or keep them ``in_place``."""
+        return self._call("pause_generation", False, mode=mode)
+
+    def continue_generation(self) -> Any:
+        return self._call("continue_generation", False)
+
+    resume_generation = continue_generation
+
+    def update_weight_version(self, weight_version: str) -> str:
+        return self._call("update_weight_version", False, weight_version=str(weight_version))
+
+    def get_weight_state(self) -> dict[str, Any]:
+        """{"state": consistent | updating | inconsistent, "reason", "updated", "total", ...}."""
+        return self._call("get_weight_state", False)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        """The first ``truncate_size`` values of an HF-named parameter, gathered over TP ranks."""
+        return self._call("get_weights_by_name", False, name=name, truncate_size=truncate_size)
+
+    def weights_fingerprint(self) -> str:
+        """Fingerprint of the served weights in HF naming and layout; equals ``weight_sync.fingerprint``
+        of the trainer's model (cast to the engine's dtype) exactly when the weights are equal."""
+        return self._call("weights_fingerprint", False)
+
+    def _call(self, op: str, async_op: bool, **kwargs: Any) -> Any:
+        fut = self.tokenizer_manager.control_async(op, **kwargs)
+        return fut if async_op else fut.result()
 
     @property
     def context_len(self) -> int:
@@ -249,6 +340,10 @@ class Engine:
         if state.error is not None:
             _raise(state)
         return self.tokenizer_manager.build_output(state)
+
+
+def _dtype_str(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _raise(state: ReqState) -> None:

@@ -55,6 +55,7 @@ class FinishReason:
     type: str
     matched: int | str | None = None
     message: str | None = None
+    error_type: str = "ValueError"
 
 
 @dataclass

@@ -227,7 +227,7 @@ class TokenizerManager:
                 seq.finish_reason = out.finished.type
                 seq.stop_reason = out.finished.matched
                 if out.finished.type == "abort" and out.finished.message not in (None, "aborted"):
-                    state.error, state.error_type = out.finished.message, "ValueError"
+                    state.error, state.error_type = out.finished.message, out.finished.error_type
 
     def _forget(self, state: ReqState) -> None:
         self.states.pop(state.rid, None)

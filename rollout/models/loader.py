@@ -19,6 +19,15 @@ def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of the checkpoint (sharded index or single/multiple files)."""
     from safetensors import safe_open
 
+    for path in _safetensors_files(model_path):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _safetensors_files(model_path: str) -> list[str]:
+    if not os.path.isdir(model_path):
+        raise ValueError(f"model path {model_path!r} is not a directory")
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -28,10 +37,24 @@ def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors weights in {model_path!r}")
-    for path in files:
+    return files
+
+
+def read_safetensors_shapes(model_path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{name: (dtype name, shape)} from the checkpoint's safetensors headers, without reading data."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in _safetensors_files(model_path):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                meta = f.get_slice(name)
+                out[name] = (_SAFETENSORS_DTYPES.get(meta.get_dtype(), meta.get_dtype()), tuple(meta.get_shape()))
+    return out
+
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
 def load_weights(weight_map: HFWeightMap, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:

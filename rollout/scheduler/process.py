@@ -62,7 +62,7 @@ class SchedulerLoop:
             self.to_detok = socket(ctx, zmq.PUSH, paths.detokenizer, bind=False)
             self.to_tokenizer = socket(ctx, zmq.PUSH, paths.tokenizer, bind=False)
         send = self.to_detok.send_pyobj if self.to_detok is not None else None
-        self.scheduler = Scheduler(config, model_cfg, tp, device, send_output=send)
+        self.scheduler = Scheduler(config, model_cfg, tp, device, send_output=send, send_reply=self._reply)
 
     def receive(self) -> list[Any]:
         """All pending messages; rank 0 waits up to 1 s for one when idle, then shares them."""
@@ -81,9 +81,7 @@ class SchedulerLoop:
         try:
             while not self.scheduler.stopped:
                 for msg in self.receive():
-                    reply = self.scheduler.handle(msg)
-                    if reply is not None:
-                        self._reply(reply)
+                    self.scheduler.handle(msg)
                 if self.scheduler.busy and not self.scheduler.stopped:
                     self.scheduler.step()
                 else:

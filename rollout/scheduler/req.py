@@ -33,6 +33,7 @@ class Req:
         self.kv_len = 0
         self.prefix_len = 0
         self.last_node: Any = None
+        self.tree: Any = None              # the radix tree that last_node belongs to
         self.cached_tokens = 0
         self.cached_tokens_known = False
         self.finished: FinishReason | None = None

@@ -22,15 +22,17 @@ from rollout.mem_cache.radix_cache import RadixCache
 from rollout.model_executor.forward_batch import ForwardMode
 from rollout.model_executor.model_runner import ModelRunner, StepInput
 from rollout.scheduler.req import Req
+from rollout.scheduler.weight_mixin import WEIGHT_OPS, WeightUpdateMixin
+from rollout.weight_updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(WeightUpdateMixin):
     """Request queue, batch formation, KV accounting and output emission for one TP rank."""
 
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, tp: TPGroup, device: torch.device,
-                 send_output: Any = None) -> None:
+                 send_output: Any = None, send_reply: Any = None) -> None:
         self.config = config
         self.model_cfg = model_cfg
         self.tp = tp
@@ -39,6 +41,13 @@ class Scheduler:
         self.req_pool = self.runner.req_to_token
         self.tree = RadixCache(self.allocator.free, disabled=config.disable_radix_cache)
         self.send_output = send_output
+        self.reply = send_reply or (lambda reply: None)
+        self.updater = WeightUpdater(self.runner.weight_map, tp, device, keep_copy=config.keep_weight_copy)
+        self.pending_updates: deque[ControlReq] = deque()
+        self.paused: str | None = None
+        self.stale_trees: list[RadixCache] = []
+        self.version_before_session: str | None = None
+        self.updates_completed = 0
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None
@@ -55,17 +64,19 @@ class Scheduler:
 
     # ---- inputs -------------------------------------------------------------------------------
 
-    def handle(self, msg: Any) -> ControlReply | None:
-        """Apply one incoming message; returns this rank's reply for control calls."""
+    def handle(self, msg: Any) -> None:
+        """Apply one incoming message (control calls reply through ``self.reply``)."""
         if isinstance(msg, GenerateReq):
             self.add_request(msg)
         elif isinstance(msg, AbortReq):
             self.abort(msg.rid)
         elif isinstance(msg, ControlReq):
-            return self.run_control(msg)
+            if msg.op in WEIGHT_OPS:
+                self.pending_updates.append(msg)
+            else:
+                self.reply(self.run_control(msg))
         elif isinstance(msg, ShutdownReq):
             self.stopped = True
-        return None
 
     def add_request(self, msg: GenerateReq) -> None:
         req = Req(msg, self.model_cfg.eos_token_ids)
@@ -76,6 +87,9 @@ class Scheduler:
             return
         if req.sampling.max_new_tokens == 0:
             self.finish(req, FinishReason("length"))
+            return
+        if self.updater.state == "inconsistent":
+            self.finish(req, FinishReason("abort", message=self.refusal(), error_type="RuntimeError"))
             return
         self.waiting.append(req)
 
@@ -97,15 +111,17 @@ class Scheduler:
         if handler is None:
             return ControlReply(msg.cid, False, error=f"unknown control call {msg.op!r}", error_type="ValueError")
         try:
-            return ControlReply(msg.cid, True, result=handler(**msg.kwargs))
-        except ValueError as e:
-            return ControlReply(msg.cid, False, error=str(e), error_type="ValueError")
+            reply = ControlReply(msg.cid, True, result=handler(**msg.kwargs))
+        except (ValueError, TypeError) as e:
+            reply = ControlReply(msg.cid, False, error=str(e), error_type="ValueError")
         except Exception as e:  # noqa: BLE001 - reported to the caller, the engine keeps serving
             logger.exception("control call %s failed", msg.op)
-            return ControlReply(msg.cid, False, error=f"{type(e).__name__}: {e}")
-
-    def handle_flush_cache(self) -> bool:
-        return self.tree.flush()
+            reply = ControlReply(msg.cid, False, error=f"{type(e).__name__}: {e}")
+        if msg.op in WEIGHT_OPS and self.tp.size > 1:  # ranks must never disagree about their weights
+            all_ok, none_ok = self.tp.all_true(reply.ok), self.tp.all_true(not reply.ok)
+            if not all_ok and not none_ok:
+                self.updater.mark_inconsistent(f"{msg.op} failed on some tensor-parallel ranks only")
+        return reply
 
     def handle_get_weight_version(self) -> str:
         return self.weight_version
@@ -124,13 +140,22 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        """There is work to do now (held requests and a paused engine are not work)."""
+        if self.paused == "in_place":
+            return bool(self.pending_updates)
+        return bool(self.running or self.chunked or self.pending_updates or (self.waiting and self.admitting)
+                    or (self.waiting and self.updater.state == "inconsistent"))
 
     def step(self) -> None:
-        """Form one batch (prefill first, else decode), run it, and emit outputs."""
-        step = self.schedule_prefill() if (self.waiting or self.chunked) else None
-        if step is None and self.running:
-            step = self.schedule_decode()
+        """Run due weight updates, then form one batch (prefill first, else decode), run it, emit outputs."""
+        self.run_ready_updates()
+        self.check_weight_state()
+        step = None
+        if self.paused != "in_place":
+            if (self.waiting and self.admitting) or self.chunked:
+                step = self.schedule_prefill()
+            if step is None and self.running:
+                step = self.schedule_decode()
         if step is not None:
             reqs, inputs = step
             start = time.perf_counter()
@@ -156,7 +181,7 @@ class Scheduler:
                 return reqs, self._extend_input(reqs, lens)
         in_batch = RadixCache(lambda slots: None)
         deferred: list[Req] = []
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and self.admitting:
             if len(self.running) + len(reqs) >= self.config.max_running_requests or not self.req_pool.available:
                 break
             req = self.waiting.popleft()
@@ -197,7 +222,7 @@ class Scheduler:
         req.pool_row = self.req_pool.alloc()
         self.req_pool.write(req.pool_row, 0, prefix)
         req.kv_len = req.prefix_len = len(prefix)
-        req.last_node = node
+        req.last_node, req.tree = node, self.tree
         if not req.cached_tokens_known:
             req.cached_tokens, req.cached_tokens_known = len(prefix), True
         self._place_chunk(req, chunk)
@@ -295,7 +320,7 @@ class Scheduler:
 
     def cache_prefix(self, req: Req) -> None:
         """Hand a freshly prefilled request's KV to the radix tree so later requests can share it."""
-        if self.tree.disabled:
+        if self.tree.disabled or req.tree is not self.tree:
             return
         tokens = req.fill_ids[:req.kv_len]
         slots = self.req_pool.slots(req.pool_row, req.kv_len)
@@ -314,12 +339,18 @@ class Scheduler:
         slots = self.req_pool.slots(req.pool_row, req.kv_len)
         if self.tree.disabled:
             self.allocator.free(slots)
+        elif req.tree is not self.tree:  # KV from older weights: never share it, free it
+            self.allocator.free(slots[req.prefix_len:])
+            req.tree.dec_lock_ref(req.last_node)
+            req.tree.evict(req.tree.evictable_size)
+            if req.tree.total_size == 0:
+                self.stale_trees.remove(req.tree)
         else:
             already = self.tree.insert(req.fill_ids[:req.kv_len], slots)
             self.allocator.free(slots[req.prefix_len:already])
             self.tree.dec_lock_ref(req.last_node)
         self.req_pool.free(req.pool_row)
-        req.pool_row, req.kv_len, req.prefix_len, req.last_node = None, 0, 0, None
+        req.pool_row, req.kv_len, req.prefix_len, req.last_node, req.tree = None, 0, 0, None, None
 
     # ---- outputs ------------------------------------------------------------------------------
 

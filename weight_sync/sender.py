@@ -1,0 +1,137 @@
+"""Trainer side of a weight push: plan flat buckets, announce them to every engine, broadcast, collect acks.
+
+An *engine handle* is anything with the engine's update calls that return a future (an in-process
+``rollout.Engine`` with ``async_op=True``, the HTTP client in ``rollout.client``, or a Ray actor
+wrapped by ``trainer_adapters``): ``update_weights_from_distributed(..., async_op=True)`` and
+``update_weight(..., async_op=True)`` returning objects with ``.result(timeout)``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_BYTES = 1 << 30
+
+
+@dataclass
+class SyncReport:
+    """What a push did and how fast: ``gbps`` is payload bytes / wall time (GB/s, 1e9)."""
+
+    mode: str
+    num_tensors: int
+    num_buckets: int
+    bytes: int
+    seconds: float
+    weight_version: str | None
+    engine_results: list[Any] = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9) / 1e9
+
+    def summary(self) -> str:
+        return (f"{self.mode}: {self.num_tensors} tensors in {self.num_buckets} bucket(s), "
+                f"{self.bytes / 1e6:.1f} MB in {self.seconds:.3f} s = {self.gbps:.2f} GB/s")
+
+
+def plan_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of tensors of at most ``bucket_bytes`` each (a larger tensor gets its own)."""
+    buckets: list[list[tuple[str, torch.Tensor]]] = []
+    current: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        if current and size + n > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, t))
+        size += n
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+class WeightSender:
+    """Pushes ``(name, tensor)`` pairs from trainer rank 0 into engines that joined ``group``.
+
+    ``mode="bucket"`` (default) sends flat buckets of about ``bucket_bytes`` with SGLang's
+    ``flattened_bucket`` layout, announcing each bucket to every engine without waiting, so the
+    broadcasts run back to back; ``mode="per_tensor"`` follows OpenRLHF: one ``update_weight`` call and
+    one broadcast per tensor. Tensors are cast to ``dtype`` (the engine's) before sending when given.
+    """
+
+    def __init__(self, engines: Sequence[Any], group: Any, group_name: str = "weight_update_group",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, mode: str = "bucket",
+                 dtype: torch.dtype | None = None, timeout: float | None = None) -> None:
+        if mode not in ("bucket", "per_tensor"):
+            raise ValueError(f"mode must be 'bucket' or 'per_tensor', got {mode!r}")
+        self.engines = list(engines)
+        self.group = group
+        self.group_name = group_name
+        self.bucket_bytes = bucket_bytes
+        self.mode = mode
+        self.dtype = dtype
+        self.timeout = timeout
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> SyncReport:
+        """Push every tensor; the update completes (cache flush, version bump) with the last one."""
+        named = [(n, self._prepare(t)) for n, t in named_tensors]
+        if not named:
+            raise ValueError("nothing to send")
+        start = time.perf_counter()
+        if self.mode == "bucket":
+            buckets = plan_buckets(named, self.bucket_bytes)
+            results = self._send_buckets(buckets, weight_version)
+        else:
+            buckets = [[item] for item in named]
+            results = self._send_per_tensor(named, weight_version)
+        seconds = time.perf_counter() - start
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        return SyncReport(self.mode, len(named), len(buckets), nbytes, seconds, weight_version, results)
+
+    def _prepare(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        if self.dtype is not None and t.dtype != self.dtype:
+            t = t.to(self.dtype)
+        return t.contiguous()
+
+    def _send_buckets(self, buckets: list[list[tuple[str, torch.Tensor]]], version: str | None) -> list[Any]:
+        from rollout.weight_updater import flatten
+
+        pending = []
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            names = [n for n, _ in bucket]
+            dtypes = [_dtype(t) for _, t in bucket]
+            shapes = [list(t.shape) for _, t in bucket]
+            for engine in self.engines:
+                pending.append(engine.update_weights_from_distributed(
+                    names, dtypes, shapes, group_name=self.group_name, flush_cache=last,
+                    weight_version=version if last else None, load_format="flattened_bucket", async_op=True))
+            flat = flatten([t for _, t in bucket])
+            dist.broadcast(flat, src=0, group=self.group)
+        return [f.result(self.timeout) for f in pending]
+
+    def _send_per_tensor(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> list[Any]:
+        results = []
+        for i, (name, t) in enumerate(named):
+            last = i == len(named) - 1
+            futures = [engine.update_weight(name, _dtype(t), list(t.shape), empty_cache=last, async_op=True)
+                       for engine in self.engines]
+            dist.broadcast(t, src=0, group=self.group)
+            results.extend(f.result(self.timeout) for f in futures)
+        if version is not None:
+            for engine in self.engines:
+                engine.update_weight_version(version)
+        return results
