@@ -291,37 +291,41 @@ class Engine:
         return [self._result(state) for state in states]
 
     def _stream(self, items: list) -> Iterator[RequestOutput]:
+        """Submit now (like any request), then iterate over delta chunks as they arrive."""
         updates: queue.Queue = queue.Queue()
         states = [self.tokenizer_manager.submit(prompt, ids, params, updates.put, rid, stream=True)
                   for prompt, ids, params, rid in items]
+        return self._iterate(states, updates)
+
+    def _iterate(self, states: list[ReqState], updates: queue.Queue) -> Iterator[RequestOutput]:
         try:
             remaining = len(states)
             while remaining:
-                state = updates.get()
-                chunk = self._chunk(state)
-                if chunk is None:
-                    continue
-                remaining -= chunk.finished
-                yield chunk
+                chunk = self._chunk(updates.get())
+                if chunk is not None:
+                    remaining -= chunk.finished
+                    yield chunk
         finally:
             for state in states:
                 if not state.finished:
                     self.tokenizer_manager.abort(state.rid)
 
-    async def _astream(self, items: list) -> AsyncIterator[RequestOutput]:
+    def _astream(self, items: list) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
         sink = lambda state: loop.call_soon_threadsafe(updates.put_nowait, state)  # noqa: E731
         states = [self.tokenizer_manager.submit(prompt, ids, params, sink, rid, stream=True)
                   for prompt, ids, params, rid in items]
+        return self._aiterate(states, updates)
+
+    async def _aiterate(self, states: list[ReqState], updates: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         try:
             remaining = len(states)
             while remaining:
                 chunk = self._chunk(await updates.get())
-                if chunk is None:
-                    continue
-                remaining -= chunk.finished
-                yield chunk
+                if chunk is not None:
+                    remaining -= chunk.finished
+                    yield chunk
         finally:
             for state in states:
                 if not state.finished:

@@ -1,0 +1,159 @@
+"""``python -m rollout.bench``: end-to-end on the tiny preset (engine + HF baseline + JSON), the preset
+writer, and the byte counts behind the bandwidth floor."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from rollout.bench import (PRESET_NAMES, main, make_workload, model_bytes, preset_config, preset_param_specs,
+                           shard_plan, steady_step, write_preset)
+from rollout.config import ModelConfig
+
+# Parameter counts of the real models (tied LM heads counted once).
+REAL_PARAMS = {"qwen3-0.6b": 596_049_920, "llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248,
+               "qwen3-8b": 8_190_735_360}
+
+
+@pytest.fixture(scope="module")
+def preset_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("presets")
+    write_preset("tiny", root)
+    return str(root)
+
+
+def _run(args: list[str], json_path) -> dict:
+    assert main(args + ["--json", str(json_path), "--device", "cpu"]) == 0
+    return json.loads(json_path.read_text())
+
+
+def _check_run(run: dict, requests: int, input_tokens: int, output_tokens: int) -> None:
+    assert run["num_requests"] == requests
+    assert run["input_tokens"] == input_tokens
+    assert run["output_tokens"] == output_tokens
+    assert run["elapsed_s"] > 0 and run["output_tok_s"] > 0
+    assert run["total_tok_s"] == pytest.approx((input_tokens + output_tokens) / run["elapsed_s"])
+
+
+def test_bench_tiny_fixed_lengths(preset_root, tmp_path, capsys):
+    report = _run(["--preset", "tiny", "--preset-dir", preset_root, "--num-prompts", "6", "--input-len", "24",
+                   "--output-len", "8", "--hf-baseline", "--hf-batch-size", "4", "--batch1-steps", "4"],
+                  tmp_path / "out.json")
+    _check_run(report["engine"], 6, 6 * 24, 6 * 8)
+    _check_run(report["hf"], 6, 6 * 24, 6 * 8)
+    assert report["engine_over_hf"] == pytest.approx(report["engine"]["output_tok_s"] / report["hf"]["output_tok_s"])
+    assert report["dtype"] == "float32" and report["device"] == "cpu"
+    mem = report["memory"]
+    assert mem["copy_bandwidth_gb_s"] > 0 and mem["weight_bytes"] > mem["weight_bytes_read"] > 0
+    assert mem["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4  # 2 (K,V) x layers x kv heads x head_dim x fp32
+    steady = report["decode_steady"]
+    assert steady["batch_size"] == 6 and steady["steps"] == 7  # the first token comes from prefill
+    assert steady["mean_step_ms"] > 0 and steady["floor_ms"] > 0
+    assert steady["step_over_floor"] == pytest.approx(steady["mean_step_ms"] / steady["floor_ms"])
+    batch1 = report["decode_batch1"]
+    assert batch1["batch_size"] == 1 and batch1["steps"] == 4 and batch1["mean_step_ms"] > 0
+    out = capsys.readouterr().out
+    assert "output tok/s" in out and "engine / hf" in out and "step/floor" in out
+
+
+def test_bench_tiny_random_range_greedy(preset_root, tmp_path):
+    args = ["--preset", "tiny", "--preset-dir", preset_root, "--num-prompts", "5", "--random-range",
+            "--min-len", "4", "--max-len", "20", "--temperature", "0", "--seed", "3", "--no-warmup",
+            "--hf-baseline", "--hf-batch-size", "2"]
+    report = _run(args, tmp_path / "out.json")
+    work = make_workload(5, preset_config("tiny")["vocab_size"], 3, 0, 0, (4, 20))
+    _check_run(report["engine"], 5, work.input_tokens, work.output_tokens)
+    _check_run(report["hf"], 5, work.input_tokens, work.output_tokens)  # requested tokens only
+    assert report["workload"]["random_range"] == [4, 20] and report["decode_batch1"] is None
+
+
+def test_make_workload_is_seeded_and_in_range():
+    a = make_workload(20, 50, 7, 0, 0, (3, 9))
+    assert a == make_workload(20, 50, 7, 0, 0, (3, 9)) and a != make_workload(20, 50, 8, 0, 0, (3, 9))
+    assert all(3 <= len(p) <= 9 and all(0 <= t < 50 for t in p) for p in a.prompts)
+    assert all(3 <= n <= 9 for n in a.output_lens)
+    fixed = make_workload(4, 50, 0, 11, 5)
+    assert [len(p) for p in fixed.prompts] == [11] * 4 and fixed.output_lens == [5] * 4
+
+
+@pytest.mark.parametrize("name", sorted(REAL_PARAMS))
+def test_big_preset_configs(name, tmp_path):
+    from transformers import AutoConfig
+
+    config = preset_config(name)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = AutoConfig.from_pretrained(str(tmp_path))
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings"):
+        assert getattr(hf, key) == config[key], key
+    assert hf.architectures == config["architectures"]
+    specs = preset_param_specs(config)  # meta device: no memory
+    assert sum(_numel(shape) for _, shape in specs) == REAL_PARAMS[name]
+    cfg = ModelConfig.from_dict(config)
+    assert model_bytes(cfg, 1, 2).weight_bytes == 2 * REAL_PARAMS[name]
+    assert cfg.rope["rope_type"] == ("llama3" if name.startswith("llama") else "default")
+    assert all(sum(_numel(s) * 2 for _, s in shard) <= 2 * 1024**3 for shard in shard_plan(specs, 2))
+
+
+def test_preset_facts():
+    llama8 = ModelConfig.from_dict(preset_config("llama-3.1-8b"))
+    assert llama8.rope["factor"] == 8.0 and llama8.rope["rope_theta"] == 500000.0
+    assert ModelConfig.from_dict(preset_config("llama-3.2-1b")).rope["factor"] == 32.0
+    qwen = ModelConfig.from_dict(preset_config("qwen3-8b"))
+    assert qwen.qk_norm and not qwen.tie_word_embeddings and qwen.head_dim == 128
+    assert ModelConfig.from_dict(preset_config("qwen3-0.6b")).tie_word_embeddings
+    assert set(PRESET_NAMES) == set(REAL_PARAMS) | {"tiny"}
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset_config("gpt-5")
+
+
+def test_model_bytes_tp_sharding():
+    cfg = ModelConfig.from_dict(preset_config("llama-3.1-8b"))
+    one, two = model_bytes(cfg, 1, 2), model_bytes(cfg, 2, 2)
+    assert one.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    assert two.kv_bytes_per_token == one.kv_bytes_per_token // 2
+    assert one.weight_bytes - one.weight_bytes_read == 2 * 128256 * 4096  # untied input embedding not read
+    assert two.weight_bytes_read < one.weight_bytes_read / 2 + 2 * 4096 * 65  # only norms are replicated
+    assert model_bytes(cfg, 16, 2).kv_bytes_per_token == 2 * 32 * 1 * 128 * 2  # KV heads replicated
+
+
+def test_write_preset_tiny_loads_and_is_reused(preset_root, tmp_path):
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = write_preset("tiny", preset_root)
+    weights = os.path.join(path, "model.safetensors")
+    mtime = os.path.getmtime(weights)
+    assert write_preset("tiny", preset_root) == path and os.path.getmtime(weights) == mtime
+    hf = AutoConfig.from_pretrained(path)
+    assert (hf.hidden_size, hf.num_hidden_layers, hf.num_key_value_heads, hf.vocab_size) == (128, 2, 2, 1024)
+    with safe_open(weights, framework="pt") as f:
+        norm = f.get_tensor("model.norm.weight")
+        q = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+    assert norm.dtype == torch.bfloat16 and bool((norm == 1).all())
+    assert q.shape == (4 * 32, 128) and 0.015 < q.float().std().item() < 0.025
+    # Sharded: an index plus several files, loadable by transformers with identical tensors.
+    sharded = write_preset("tiny", tmp_path, max_shard_bytes=300_000)
+    index = json.loads(open(os.path.join(sharded, "model.safetensors.index.json")).read())
+    assert len(set(index["weight_map"].values())) > 1
+    a = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(sharded).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_steady_step_picks_most_steps():
+    stats = {"decode": {8: {"steps": 3, "seconds": 0.3, "kv_tokens": 300},
+                        4: {"steps": 10, "seconds": 0.5, "kv_tokens": 400}}}
+    t = steady_step(stats)
+    assert (t.batch_size, t.steps, t.mean_step_ms, t.mean_kv_tokens) == (4, 10, pytest.approx(50.0), 40.0)
+    assert steady_step({"decode": {}}) is None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

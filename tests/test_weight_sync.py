@@ -1,0 +1,196 @@
+"""Live weight sync on CPU (gloo) between a real trainer process and real engines."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rollout import Engine, SamplingParams
+from weight_sync.remote import serve_engine
+
+from sync_trainer import CHECK_PROMPTS, run_trainer
+
+CTX = mp.get_context("spawn")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_trainer(engines: list[Engine], tp_sizes: list[int], path: str, plan: list[dict]) -> tuple[mp.Process, mp.Queue]:
+    conns = []
+    for engine in engines:
+        mine, theirs = CTX.Pipe()
+        serve_engine(engine, mine)
+        conns.append(theirs)
+    results = CTX.Queue()
+    proc = CTX.Process(target=run_trainer, args=(conns, tp_sizes, path, free_port(), plan, results), daemon=True)
+    proc.start()
+    return proc, results
+
+
+def collect(proc: mp.Process, results: mp.Queue, n: int, timeout: float = 300) -> list[dict]:
+    out = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n:
+        try:
+            out.append(results.get(timeout=1))
+        except queue.Empty:
+            if not proc.is_alive() or time.monotonic() > deadline:
+                raise AssertionError(f"trainer stopped after {len(out)} of {n} steps (exit {proc.exitcode})")
+    return out
+
+
+def check_synced(step: dict, n_engines: int = 1) -> None:
+    assert "error" not in step, step.get("error")
+    assert len(step["engines"]) == n_engines
+    for eng in step["engines"]:
+        assert eng["fp"] == step["trainer_fp"], "engine weights differ from the trainer's"
+        assert eng["greedy"] == step["hf_greedy"], "greedy outputs differ from transformers on the new weights"
+        assert eng["max_dlogprob"] < 1e-4
+        assert eng["state"]["state"] == "consistent"
+
+
+def _group_member(rank: int, port: int, out: mp.Queue) -> None:
+    import weight_sync
+
+    group = weight_sync.init_process_group("127.0.0.1", port, rank, 2, "plain", backend="gloo", timeout=30)
+    t = torch.arange(6, dtype=torch.float32) if rank == 0 else torch.zeros(6)
+    torch.distributed.broadcast(t, 0, group=group)
+    out.put((rank, dist.is_initialized(), t.tolist()))
+
+
+def test_trainer_group_works_with_plain_broadcast_without_a_default_group():
+    port, out = free_port(), CTX.Queue()
+    procs = [CTX.Process(target=_group_member, args=(r, port, out)) for r in range(2)]
+    [p.start() for p in procs]
+    got = sorted(out.get(timeout=60) for _ in procs)
+    [p.join(30) for p in procs]
+    assert got == [(0, False, [0.0, 1, 2, 3, 4, 5]), (1, False, [0.0, 1, 2, 3, 4, 5])]
+
+
+@pytest.fixture(scope="module")
+def path(tiny_dir):
+    return tiny_dir("llama")
+
+
+def test_every_update_mode_tp1(path):
+    modes = ["bucket", "per_tensor", "openrlhf", "sglang", "disk", "tensor"]
+    with Engine(path, dtype="float32", device="cpu") as engine:
+        before = engine.get_weight_version()
+        proc, results = start_trainer([engine], [1], path, [{"kind": "train_and_push", "mode": m} for m in modes])
+        steps = collect(proc, results, len(modes))
+        proc.join(30)
+    versions = [int(before)]
+    for mode, step in zip(modes, steps):
+        check_synced(step)
+        versions.append(int(step["engines"][0]["version"]))
+    assert versions == list(range(int(before), int(before) + len(modes) + 1)), versions
+    assert len({s["trainer_fp"] for s in steps}) == len(modes), "each step trained the weights"
+
+
+def test_tp2_and_two_engines_in_one_group(path):
+    with Engine(path, dtype="float32", device="cpu", tp_size=2) as tp2, \
+            Engine(path, dtype="float32", device="cpu") as tp1:
+        plan = [{"kind": "train_and_push", "mode": m} for m in ("bucket", "openrlhf")]
+        proc, results = start_trainer([tp2, tp1], [2, 1], path, plan)
+        steps = collect(proc, results, len(plan))
+        proc.join(30)
+    for step in steps:
+        check_synced(step, n_engines=2)
+
+
+BAD_CASES = {
+    "unknown_name": "unknown parameter name",
+    "wrong_shape": "wrong shape",
+    "wrong_dtype": "wrong dtype",
+    "nonfinite": "non-finite",
+    "per_tensor_unknown": "unknown parameter name",
+    "mismatched_lists": "one length",
+    "no_group": "not initialized",
+}
+
+
+def test_bad_updates_are_rejected_and_old_weights_keep_serving(path, hf_reference):
+    hf = hf_reference(path)
+    with Engine(path, dtype="float32", device="cpu") as engine:
+        fp0 = engine.weights_fingerprint()
+        plan = [{"kind": "bad", "case": c} for c in BAD_CASES]
+        proc, results = start_trainer([engine], [1], path, plan)
+        steps = collect(proc, results, len(plan), timeout=120)
+        proc.join(30)
+        for case, step in zip(BAD_CASES, steps):
+            assert "error" not in step, step.get("error")
+            assert BAD_CASES[case] in step["error_seen"], (case, step["error_seen"])
+            eng = step["engines"][0]
+            assert eng["fp"] == fp0 == step["trainer_fp"], case
+            assert eng["state"]["state"] == "consistent" and eng["version"] == "0"
+        out = engine.generate(prompt_token_ids=CHECK_PROMPTS, use_tqdm=False,
+                              sampling_params=SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in out] == [hf.greedy(p, 10) for p in CHECK_PROMPTS]
+
+
+def test_trainer_killed_mid_update_then_a_complete_update_restores(path, hf_reference):
+    with Engine(path, dtype="float32", device="cpu") as engine:
+        proc, results = start_trainer([engine], [1], path, [{"kind": "die_mid_update"}])
+        proc.join(120)
+        assert proc.exitcode == -9
+        deadline = time.monotonic() + 60
+        while engine.get_weight_state()["state"] != "inconsistent":
+            assert time.monotonic() < deadline, engine.get_weight_state()
+            time.sleep(0.2)
+        state = engine.get_weight_state()
+        assert "mix of two versions" in state["reason"] and state["groups"] == []
+        with pytest.raises(RuntimeError, match="refuses to generate"):
+            engine.generate(prompt_token_ids=[[5, 6, 7]], use_tqdm=False)
+        proc, results = start_trainer([engine], [1], path, [{"kind": "train_and_push", "mode": "bucket"}])
+        (step,) = collect(proc, results, 1)
+        proc.join(30)
+        check_synced(step)
+        engine.update_weights_from_disk(path)
+        assert engine.weights_fingerprint() != step["trainer_fp"]
+        hf = hf_reference(path)
+        out = engine.generate(prompt_token_ids=CHECK_PROMPTS[:2], use_tqdm=False,
+                              sampling_params=SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in out] == [hf.greedy(p, 10) for p in CHECK_PROMPTS[:2]]
+
+
+def test_update_waits_for_in_flight_requests_and_pause_modes(path):
+    import weight_sync
+
+    with Engine(path, dtype="float32", device="cpu", keep_weight_copy=True) as engine:
+        fp0 = engine.weights_fingerprint()
+        params = SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
+        stream = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, stream=True)
+        next(stream)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.01)
+        result = engine.update_weights_from_tensor(list(model.named_parameters()))
+        chunks = list(stream)
+        assert chunks[-1].outputs[0].finish_reason == "length"
+        assert chunks[-1].weight_version == "0", "the in-flight request finished on the old weights"
+        assert result["weight_version"] == "1" and engine.weights_fingerprint() == weight_sync.fingerprint(model)
+        engine.rollback_weights()
+        assert engine.weights_fingerprint() == fp0 and engine.get_weight_version() == "0"
+
+        stream = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, stream=True)
+        next(stream)
+        engine.pause_generation(mode="abort")
+        assert list(stream)[-1].outputs[0].finish_reason == "abort"
+        held = engine.generate(prompt_token_ids=[[8, 9]], sampling_params=SamplingParams(max_new_tokens=3),
+                               stream=True)
+        engine.update_weights_from_tensor(list(model.named_parameters()), weight_version="v-paused")
+        engine.continue_generation()
+        assert list(held)[-1].weight_version == "v-paused"
