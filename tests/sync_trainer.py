@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weight_sync.reference import hf_greedy, hf_logprobs
+
 CHECK_PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46], [100, 3, 250, 17], [9] * 12]
 GREEDY = dict(temperature=0.0, max_new_tokens=10, ignore_eos=True, logprobs=0)
 
@@ -32,20 +34,6 @@ def train_step(model: Any, seed: int, lr: float = 0.05) -> float:
     opt.zero_grad(set_to_none=True)
     model.eval()
     return float(loss)
-
-
-def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        return model.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):].tolist()
-
-
-def hf_logprobs(model: Any, prompt: list[int], out: list[int]) -> list[float]:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, -1)[torch.arange(len(out)), torch.tensor(out)].tolist()
 
 
 def measure(model: Any, engines: list[Any]) -> dict[str, Any]:

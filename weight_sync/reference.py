@@ -1,0 +1,30 @@
+"""transformers as the oracle: greedy generation and teacher-forced log-probabilities."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int, eos_token_id: Any = None) -> list[int]:
+    """``generate`` with do_sample=False; stops at ``eos_token_id`` only when one is given."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
+                              pad_token_id=0 if eos_token_id is None else eos_token_id)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt], device=device), generation_config=config)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logprobs(model: Any, prompt: list[int], output: list[int]) -> list[float]:
+    """log_softmax of the model's logits at each of ``output``'s tokens, given the prompt."""
+    if not output:
+        return []
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output], device=device)).logits[0, len(prompt) - 1:-1].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp[torch.arange(len(output), device=device), torch.tensor(output, device=device)].tolist()

@@ -1,0 +1,155 @@
+"""The trainer process of ``rollout-smoke``: holds the checkpoint in transformers, learns from a rollout,
+pushes the new weights into the engine, and measures the result. It reports numbers; ``smoke`` judges."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from weight_sync.reference import hf_greedy, hf_logprobs
+
+QUESTIONS = [
+    "What is the capital of France?", "Name three primary colors.", "What is 7 times 8?",
+    "Write a haiku about the sea.", "Who wrote Romeo and Juliet?", "Say hello in French.",
+    "How many legs does a spider have?", "What is the largest planet in our solar system?",
+]
+
+
+@dataclass
+class SmokeConfig:
+    model_path: str
+    mode: str
+    bucket_mb: float
+    dtype: str
+    trainer_device: str
+    backend: str
+    port: int
+    tp_size: int
+    num_prompts: int
+    max_new_tokens: int
+    lr: float
+    seed: int
+
+
+def _parity(model: Any, outs: list[Any]) -> dict[str, float]:
+    deltas = [abs(a - b) for o in outs for c in o.outputs
+              for a, b in zip(c.token_logprobs, hf_logprobs(model, o.prompt_token_ids, c.token_ids))]
+    return {"max": max(deltas), "mean": statistics.fmean(deltas), "tokens": len(deltas)}
+
+
+def _train_step(model: Any, outs: list[Any], lr: float, device: str) -> float:
+    """One AdamW step of supervised learning on the engine's own samples (a real optimizer step)."""
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    total = 0.0
+    samples = [(o.prompt_token_ids, c.token_ids) for o in outs for c in o.outputs if c.token_ids]
+    for prompt, completion in samples:
+        ids = torch.tensor([prompt + completion], device=device)
+        labels = ids.clone()
+        labels[0, :len(prompt)] = -100
+        loss = model(ids, labels=labels).loss / len(samples)
+        loss.backward()
+        total += float(loss.detach())
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    return total
+
+
+def run(cfg: SmokeConfig, conn: Any, results: Any) -> None:
+    """Process target: puts one report dict (or {"error": ...}) on ``results``."""
+    try:
+        results.put(_run(cfg, conn))
+    except Exception as e:  # noqa: BLE001 - reported by the CLI
+        import traceback
+
+        results.put({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+
+
+def _run(cfg: SmokeConfig, conn: Any) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import weight_sync
+    from rollout import SamplingParams
+    from weight_sync.remote import RemoteEngine
+
+    engine = RemoteEngine(conn)
+    dtype = getattr(torch, cfg.dtype)
+    tok = AutoTokenizer.from_pretrained(cfg.model_path)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32).to(cfg.trainer_device).eval()
+    chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(cfg.num_prompts)]
+    sample = SamplingParams(temperature=1.0, n=2, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, logprobs=0)
+    report: dict[str, Any] = {"version_before": engine.get_weight_version()}
+
+    t0 = time.perf_counter()
+    rollout = engine.chat(chats, sample, use_tqdm=False)
+    report["rollout1"] = {"seconds": time.perf_counter() - t0, "sequences": sum(len(o.outputs) for o in rollout),
+                          "tokens": sum(len(c.token_ids) for o in rollout for c in o.outputs),
+                          "version": rollout[0].weight_version}
+    report["parity_before"] = _parity(_served(model, dtype), rollout)
+    fp_before = weight_sync.fingerprint(model, dtype=dtype)
+    report["loss"] = _train_step(model, rollout, cfg.lr, cfg.trainer_device)
+    fp_after = weight_sync.fingerprint(model, dtype=dtype)
+    report["weights_changed"] = fp_before != fp_after
+
+    report["sync"] = _sync(cfg, engine, model, dtype)
+    report["fp_trainer"], report["fp_engine"] = fp_after, engine.weights_fingerprint()
+
+    served = _served(model, dtype)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens)
+    outs = engine.chat(chats, greedy, use_tqdm=False)
+    eos = tok.eos_token_id
+    report["greedy_total"] = len(outs)
+    report["greedy_equal"] = sum(o.outputs[0].token_ids == hf_greedy(served, o.prompt_token_ids, cfg.max_new_tokens, eos)
+                                 for o in outs)
+    rollout2 = engine.chat(chats, sample, use_tqdm=False)
+    report["parity_after"] = _parity(served, rollout2)
+    report["version_after"] = engine.get_weight_version()
+    report["output_versions"] = sorted({o.weight_version for o in outs + rollout2})
+    report["sample_answer"] = outs[0].outputs[0].text.strip()
+    return report
+
+
+def _served(model: Any, dtype: torch.dtype) -> Any:
+    """The trainer's model as the engine serves it (cast to the engine's dtype)."""
+    return model if next(model.parameters()).dtype == dtype else copy.deepcopy(model).to(dtype)
+
+
+def _sync(cfg: SmokeConfig, engine: Any, model: Any, dtype: torch.dtype) -> dict[str, Any]:
+    import weight_sync
+
+    named = [(n, p.detach().to(dtype)) for n, p in model.named_parameters()]
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    if cfg.mode in ("bucket", "per-tensor"):
+        world = 1 + cfg.tp_size
+        fut = engine.init_process_group("127.0.0.1", cfg.port, 1, world, "smoke", backend=cfg.backend, async_op=True)
+        group = weight_sync.init_process_group("127.0.0.1", cfg.port, 0, world, "smoke", backend=cfg.backend,
+                                               timeout=300)
+        fut.result()
+        sender = weight_sync.WeightSender([engine], group, "smoke", bucket_bytes=int(cfg.bucket_mb * (1 << 20)),
+                                          mode="bucket" if cfg.mode == "bucket" else "per_tensor")
+        rep = sender.send(named)
+        engine.destroy_process_group("smoke")
+        weight_sync.destroy_process_group(group)
+        return {"mode": cfg.mode, "tensors": rep.num_tensors, "buckets": rep.num_buckets, "bytes": rep.bytes,
+                "seconds": rep.seconds, "gbps": rep.gbps}
+    start = time.perf_counter()
+    if cfg.mode == "disk":
+        with tempfile.TemporaryDirectory() as d:
+            _served(model, dtype).save_pretrained(d)
+            start = time.perf_counter()
+            engine.update_weights_from_disk(d)
+    elif cfg.mode == "tensor":
+        engine.update_weights_from_tensor([(n, t.cpu()) for n, t in named])
+    else:
+        raise ValueError(f"unknown mode {cfg.mode!r}")
+    seconds = time.perf_counter() - start
+    return {"mode": cfg.mode, "tensors": len(named), "buckets": 1, "bytes": nbytes, "seconds": seconds,
+            "gbps": nbytes / seconds / 1e9}
+
