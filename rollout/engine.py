@@ -205,6 +205,11 @@ class Engine:
         of the trainer's model (cast to the engine's dtype) exactly when the weights are equal."""
         return self._call("weights_fingerprint", False)
 
+    def benchmark_receive(self, nbytes: int, num_chunks: int, group_name: str = "weight_update_group",
+                          async_op: bool = False) -> Any:
+        """Receive raw broadcasts without loading them: the transport ceiling for ``weight_sync.bench``."""
+        return self._call("benchmark_receive", async_op, nbytes=nbytes, num_chunks=num_chunks, group_name=group_name)
+
     def _call(self, op: str, async_op: bool, **kwargs: Any) -> Any:
         fut = self.tokenizer_manager.control_async(op, **kwargs)
         return fut if async_op else fut.result()

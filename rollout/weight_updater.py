@@ -110,6 +110,7 @@ class WeightUpdater:
     inconsistent: str | None = None
     backup: dict[str, torch.Tensor] | None = None
     last_group: str | None = None
+    _scratch: torch.Tensor | None = None
 
     @property
     def state(self) -> str:
@@ -176,25 +177,29 @@ class WeightUpdater:
     # ---- receiving ----------------------------------------------------------------------------
 
     def receive(self, specs: list[TensorSpec], group: Any, flattened: bool) -> list[tuple[str, torch.Tensor]]:
-        """Receive the announced tensors from rank 0 of ``group`` (TransferError on failure)."""
+        """Receive the announced tensors from rank 0 of ``group`` (TransferError on failure).
+
+        The tensors are views of a reusable scratch buffer, valid until the next ``receive``.
+        """
+        flat = self.scratch(sum(s.nbytes for s in specs))
         try:
-            if flattened:
-                return self._receive_flat(specs, group)
-            out = []
-            for spec in specs:
-                buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            if flattened:  # SGLang's flattened_bucket: every tensor's bytes back to back, one broadcast
+                dist.broadcast(flat, src=0, group=group)
+                return unflatten(flat, specs)
+            out = unflatten(flat, specs)
+            for _, buf in out:
                 dist.broadcast(buf, src=0, group=group)
-                out.append((spec.name, buf))
             return out
         except Exception as e:  # noqa: BLE001 - any communication failure
             raise TransferError(f"receiving weights failed: {type(e).__name__}: {e}") from e
 
-    def _receive_flat(self, specs: list[TensorSpec], group: Any) -> list[tuple[str, torch.Tensor]]:
-        """SGLang's ``flattened_bucket``: each tensor's bytes back to back, one uint8 broadcast."""
-        total = sum(s.nbytes for s in specs)
-        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
-        dist.broadcast(flat, src=0, group=group)
-        return unflatten(flat, specs)
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of ``nbytes`` on the model's device, reused across updates (fresh host
+        memory costs a page fault per page; the device allocator would cache it anyway)."""
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = None
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._scratch[:nbytes]
 
     # ---- loading ------------------------------------------------------------------------------
 
@@ -263,7 +268,7 @@ class WeightUpdater:
 
 
 def unflatten(flat: torch.Tensor, specs: list[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
-    """Split a uint8 buffer laid out as SGLang's FlattenedTensorBucket back into named tensors."""
+    """Views of a uint8 buffer laid out as SGLang's FlattenedTensorBucket, one per named tensor."""
     out, offset = [], 0
     for spec in specs:
         n = spec.nbytes
@@ -275,9 +280,14 @@ def unflatten(flat: torch.Tensor, specs: list[TensorSpec]) -> list[tuple[str, to
     return out
 
 
-def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The inverse of ``unflatten``: each tensor's bytes back to back in one uint8 tensor."""
-    return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors])
+def flatten(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of ``unflatten``: each tensor's bytes back to back in one uint8 tensor (into ``out``,
+    a large enough uint8 buffer, when given)."""
+    parts = [t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors]
+    if out is None:
+        return torch.cat(parts)
+    n = sum(p.numel() for p in parts)
+    return torch.cat(parts, out=out[:n])
 
 
 def combine_fingerprint(parts_per_rank: list[list[tuple[str, Any, str, int, int]]],

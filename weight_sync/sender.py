@@ -81,6 +81,7 @@ class WeightSender:
         self.mode = mode
         self.dtype = dtype
         self.timeout = timeout
+        self._flat: torch.Tensor | None = None
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> SyncReport:
         """Push every tensor; the update completes (cache flush, version bump) with the last one."""
@@ -107,8 +108,6 @@ class WeightSender:
         return t.contiguous()
 
     def _send_buckets(self, buckets: list[list[tuple[str, torch.Tensor]]], version: str | None) -> list[Any]:
-        from rollout.weight_updater import flatten
-
         pending = []
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1
@@ -119,9 +118,19 @@ class WeightSender:
                 pending.append(engine.update_weights_from_distributed(
                     names, dtypes, shapes, group_name=self.group_name, flush_cache=last,
                     weight_version=version if last else None, load_format="flattened_bucket", async_op=True))
-            flat = flatten([t for _, t in bucket])
-            dist.broadcast(flat, src=0, group=self.group)
+            dist.broadcast(self._flatten([t for _, t in bucket]), src=0, group=self.group)
         return [f.result(self.timeout) for f in pending]
+
+    def _flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Pack a bucket into a buffer reused across buckets and pushes (the broadcast is synchronous)."""
+        from rollout.weight_updater import flatten
+
+        n = sum(t.numel() * t.element_size() for t in tensors)
+        device = tensors[0].device
+        if self._flat is None or self._flat.numel() < n or self._flat.device != device:
+            self._flat = None
+            self._flat = torch.empty(max(n, self.bucket_bytes), dtype=torch.uint8, device=device)
+        return flatten(tensors, out=self._flat)
 
     def _send_per_tensor(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> list[Any]:
         results = []

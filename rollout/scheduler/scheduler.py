@@ -48,6 +48,7 @@ class Scheduler(WeightUpdateMixin):
         self.stale_trees: list[RadixCache] = []
         self.version_before_session: str | None = None
         self.updates_completed = 0
+        self.timing: dict[str, float] = {}
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None

@@ -85,11 +85,13 @@ class WeightUpdateMixin:
         specs = parse_specs(names, dtypes, shapes)
         group_name, group = self.updater.group(group_name)
         problems = self.updater.problems(specs)
+        t_recv = time.perf_counter()
         try:
             tensors = self.updater.receive(specs, group, load_format == "flattened_bucket")
         except TransferError as e:
             self._transfer_failed(group_name, str(e))
             raise
+        self.timing = {"validate_s": t_recv - start, "receive_s": time.perf_counter() - t_recv}
         return self._apply(tensors, problems, start, flush_cache, weight_version, check_finite, group_name)
 
     def handle_update_weights_from_tensor(self, specs: list[tuple[str, Any, list[int]]], payload: Any,
@@ -134,6 +136,18 @@ class WeightUpdateMixin:
         self.weight_version = self.version_before_session or self.weight_version
         self._invalidate_cache()
         return {"weight_version": self.weight_version, "seconds": time.perf_counter() - start}
+
+    def handle_benchmark_receive(self, nbytes: int, num_chunks: int, group_name: str | None = None) -> float:
+        """Receive ``num_chunks`` raw broadcasts of ``nbytes`` each and discard them (the transport's
+        ceiling for ``weight_sync.bench``); returns the seconds this rank spent."""
+        _, group = self.updater.group(group_name)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.runner.device)
+        start = time.perf_counter()
+        for _ in range(num_chunks):
+            torch.distributed.broadcast(buf, src=0, group=group)
+        if buf.is_cuda:
+            torch.cuda.synchronize(buf.device)
+        return time.perf_counter() - start
 
     # ---- control ------------------------------------------------------------------------------
 
@@ -205,7 +219,9 @@ class WeightUpdateMixin:
                 raise ValueError(f"non-finite values in {bad[:5]}")
         if not self.updater.session:
             self.version_before_session = self.weight_version
+        t_load = time.perf_counter()
         self.updater.load(tensors)
+        self.timing["load_s"] = time.perf_counter() - t_load
         self.updater.touch_deadline(group_name)
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         done = self.updater.end_session(explicit=flush_cache or weight_version is not None)
@@ -213,12 +229,14 @@ class WeightUpdateMixin:
 
     def _finish(self, start: float, loaded: int, nbytes: int, complete: bool, weight_version: str | None
                 ) -> dict[str, Any]:
+        t_flush = time.perf_counter()
         if complete:
             self._complete(weight_version)
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
+        self.timing["flush_s"] = time.perf_counter() - t_flush
         result = UpdateResult(loaded, nbytes, time.perf_counter() - start, complete, self.weight_version)
-        return result.__dict__
+        return {**result.__dict__, **self.timing}
 
     def _complete(self, weight_version: str | None) -> None:
         """Weights are whole again: drop stale KV and name the new version."""
