@@ -141,6 +141,7 @@ class EngineConfig:
     log_level: str = "WARNING"
     weight_version: str = "0"
     keep_weight_copy: bool = False
+    load_format: str = "auto"
     skip_tokenizer_init: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -155,6 +156,8 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.attention_backend not in ("auto", "torch_native", "flashinfer"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.dist_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"unknown dist_backend {self.dist_backend!r}")
 

@@ -31,9 +31,10 @@ class TPGroup:
             return cls()
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        # no device_id: an eagerly bound default group would make later groups (the weight-update
+        # group, which includes the trainer) try to split from it
         dist.init_process_group(backend=backend, init_method=f"file://{store_path}", rank=rank,
-                                world_size=size, timeout=datetime.timedelta(minutes=30),
-                                **({"device_id": device} if backend == "nccl" else {}))
+                                world_size=size, timeout=datetime.timedelta(minutes=30))
         cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
         return cls(rank=rank, size=size, device_group=dist.group.WORLD, cpu_group=cpu_group)
 

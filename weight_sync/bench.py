@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"weight_sync.bench: {args.model or args.preset}, {args.dtype}, engine {device} tp={args.tp_size}, "
           f"trainer {trainer_device}, {backend}, buckets {args.bucket_mb:g} MiB", flush=True)
     with Engine(model_path, tp_size=args.tp_size, dtype=args.dtype, device=device, max_total_tokens=1024,
-                skip_tokenizer_init=True) as engine:
+                skip_tokenizer_init=True, load_format="auto" if args.model else "dummy") as engine:
         mine, theirs = ctx.Pipe()
         serve_engine(engine, mine)
         results = ctx.Queue()
@@ -158,9 +158,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _preset(name: str) -> str:
-    from rollout.bench import write_preset
+    """A config-only directory for ``name``: the engine starts with dummy weights, the sync replaces them."""
+    import tempfile
 
-    return str(write_preset(name))
+    from rollout.bench import preset_config
+
+    path = tempfile.mkdtemp(prefix=f"wsbench-{name}-")
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(preset_config(name), f)
+    return path
 
 
 def _wait(proc: Any, results: Any) -> dict[str, Any]:

@@ -81,6 +81,8 @@ def _run(cfg: SmokeConfig, conn: Any) -> dict[str, Any]:
 
     engine = RemoteEngine(conn)
     dtype = getattr(torch, cfg.dtype)
+    if cfg.trainer_device.startswith("cuda"):
+        torch.cuda.set_device(cfg.trainer_device)  # NCCL uses the current device
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
     model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32).to(cfg.trainer_device).eval()
     chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(cfg.num_prompts)]

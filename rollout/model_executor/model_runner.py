@@ -42,7 +42,7 @@ class ModelRunner:
         self.dtype = resolve_torch_dtype(config, model_cfg)
         self.context_len = _context_len(config, model_cfg)
         self.model, self.weight_map = build_model(model_cfg, config.model_path, self.context_len, tp,
-                                                  self.dtype, device)
+                                                  self.dtype, device, config.load_format, config.seed)
         attn = self.model.model.layers[0].self_attn.attn
         self.num_slots = self._kv_slots(attn.num_kv_heads)
         self.context_len = min(self.context_len, self.num_slots - 1)

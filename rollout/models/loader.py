@@ -72,10 +72,25 @@ def load_weights(weight_map: HFWeightMap, tensors: Iterator[tuple[str, torch.Ten
 
 
 def build_model(cfg: ModelConfig, model_path: str | None, max_positions: int, tp: TPGroup,
-                dtype: torch.dtype, device: Any) -> tuple[LlamaForCausalLM, HFWeightMap]:
-    """The model with its weights loaded from ``model_path`` (or left uninitialised when None)."""
+                dtype: torch.dtype, device: Any, load_format: str = "auto", seed: int = 0
+                ) -> tuple[LlamaForCausalLM, HFWeightMap]:
+    """The model with its weights loaded from ``model_path``; ``load_format="dummy"`` fills them with
+    seeded random values instead (vLLM's dummy format, for benchmarks); no path leaves them unset."""
     model = LlamaForCausalLM(cfg, max_positions, tp, dtype, device).eval()
     weight_map = HFWeightMap(model, cfg)
-    if model_path is not None:
+    if load_format == "dummy":
+        init_dummy_weights(weight_map, seed)
+    elif model_path is not None:
         load_weights(weight_map, iter_safetensors(model_path))
     return model, weight_map
+
+
+def init_dummy_weights(weight_map: HFWeightMap, seed: int) -> None:
+    """Norm weights 1, everything else N(0, 0.02), from a generator seeded per rank."""
+    with torch.no_grad():
+        for name, param in weight_map.params.items():
+            if "norm" in name:
+                param.fill_(1.0)
+                continue
+            gen = torch.Generator(device=param.device).manual_seed(seed + sum(map(ord, name)))
+            param.normal_(0.0, 0.02, generator=gen)

@@ -59,7 +59,8 @@ class SchedulerLoop:
         self.recv = self.to_detok = self.to_tokenizer = None
         if tp.rank == 0:
             self.recv = socket(ctx, zmq.PULL, paths.scheduler, bind=True)
-            self.to_detok = socket(ctx, zmq.PUSH, paths.detokenizer, bind=False)
+            out_addr = paths.tokenizer if config.skip_tokenizer_init else paths.detokenizer  # no text wanted
+            self.to_detok = socket(ctx, zmq.PUSH, out_addr, bind=False)
             self.to_tokenizer = socket(ctx, zmq.PUSH, paths.tokenizer, bind=False)
         send = self.to_detok.send_pyobj if self.to_detok is not None else None
         self.scheduler = Scheduler(config, model_cfg, tp, device, send_output=send, send_reply=self._reply)
