@@ -133,8 +133,10 @@ class Engine:
                           rank_offset=rank_offset, world_size=world_size, group_name=group_name, backend=backend,
                           timeout=timeout)
 
-    def destroy_process_group(self, group_name: str = "weight_update_group") -> Any:
-        return self._call("destroy_process_group", False, group_name=group_name)
+    def destroy_process_group(self, group_name: str = "weight_update_group", async_op: bool = False) -> Any:
+        """Leave a weight-update group. On NCCL this waits for the other members to leave too, so a
+        trainer holding the engine in-process passes ``async_op=True`` and then destroys its side."""
+        return self._call("destroy_process_group", async_op, group_name=group_name)
 
     def update_weight(self, name: str, dtype: Any, shape: Any, empty_cache: bool = False,
                       async_op: bool = False) -> Any:

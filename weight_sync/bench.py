@@ -112,8 +112,9 @@ def _bench(args: argparse.Namespace, model_path: str, device: str, backend: str,
     if not args.no_verify:
         out["fingerprint_equal"] = engine.weights_fingerprint() == weight_sync.fingerprint(named)
     out["version"] = engine.get_weight_version()
-    engine.destroy_process_group("bench")
+    left = engine.destroy_process_group("bench", async_op=True)  # NCCL: both sides leave together
     weight_sync.destroy_process_group(group)
+    left.result()
     return out
 
 

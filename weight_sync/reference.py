@@ -28,3 +28,18 @@ def hf_logprobs(model: Any, prompt: list[int], output: list[int]) -> list[float]
         logits = model(torch.tensor([prompt + output], device=device)).logits[0, len(prompt) - 1:-1].float()
     lp = torch.log_softmax(logits, dim=-1)
     return lp[torch.arange(len(output), device=device), torch.tensor(output, device=device)].tolist()
+
+
+def greedy_gaps(model: Any, prompt: list[int], output: list[int]) -> list[float]:
+    """For each token of a greedy ``output``: how far its logprob is below the model's best choice.
+
+    All zeros when ``output`` is exactly the model's greedy path; a small gap marks a near-tie that
+    a different but correct implementation may break the other way."""
+    if not output:
+        return []
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output], device=device)).logits[0, len(prompt) - 1:-1].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = lp[torch.arange(len(output), device=device), torch.tensor(output, device=device)]
+    return (lp.max(dim=-1).values - chosen).tolist()

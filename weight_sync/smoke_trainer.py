@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from weight_sync.reference import hf_greedy, hf_logprobs
+from weight_sync.reference import greedy_gaps, hf_greedy, hf_logprobs
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "What is 7 times 8?",
@@ -64,6 +64,9 @@ def _train_step(model: Any, outs: list[Any], lr: float, device: str) -> float:
 
 def run(cfg: SmokeConfig, conn: Any, results: Any) -> None:
     """Process target: puts one report dict (or {"error": ...}) on ``results``."""
+    from rollout.logging_utils import dump_stacks_periodically
+
+    dump_stacks_periodically()
     try:
         results.put(_run(cfg, conn))
     except Exception as e:  # noqa: BLE001 - reported by the CLI
@@ -110,6 +113,8 @@ def _run(cfg: SmokeConfig, conn: Any) -> dict[str, Any]:
     report["greedy_total"] = len(outs)
     report["greedy_equal"] = sum(o.outputs[0].token_ids == hf_greedy(served, o.prompt_token_ids, cfg.max_new_tokens, eos)
                                  for o in outs)
+    report["greedy_max_gap"] = max(max(greedy_gaps(served, o.prompt_token_ids, o.outputs[0].token_ids), default=0.0)
+                                   for o in outs)
     rollout2 = engine.chat(chats, sample, use_tqdm=False)
     report["parity_after"] = _parity(served, rollout2)
     report["version_after"] = engine.get_weight_version()
@@ -137,8 +142,9 @@ def _sync(cfg: SmokeConfig, engine: Any, model: Any, dtype: torch.dtype) -> dict
         sender = weight_sync.WeightSender([engine], group, "smoke", bucket_bytes=int(cfg.bucket_mb * (1 << 20)),
                                           mode="bucket" if cfg.mode == "bucket" else "per_tensor")
         rep = sender.send(named)
-        engine.destroy_process_group("smoke")
+        left = engine.destroy_process_group("smoke", async_op=True)  # NCCL: both sides leave together
         weight_sync.destroy_process_group(group)
+        left.result()
         return {"mode": cfg.mode, "tensors": rep.num_tensors, "buckets": rep.num_buckets, "bytes": rep.bytes,
                 "seconds": rep.seconds, "gbps": rep.gbps}
     start = time.perf_counter()

@@ -14,7 +14,7 @@ from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
 from rollout.io_struct import ControlReply, SchedulerError, ShutdownReq
 from rollout.ipc import IPCPaths, socket, watch_parent
-from rollout.logging_utils import configure
+from rollout.logging_utils import configure, dump_stacks_periodically
 from rollout.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ def run_scheduler_process(config: EngineConfig, paths: IPCPaths, rank: int, read
     """Build the scheduler, report readiness (or the start-up error) on ``ready``, then serve."""
     watch_parent()
     configure(config.log_level, f"TP{rank}")
+    dump_stacks_periodically()
     if config.resolved_device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
     ctx = zmq.Context()
