@@ -13,7 +13,9 @@ Besides tokens/s it reports the mean decode-step time at the steady batch size (
 KV bytes read at that step) / the device-to-device copy bandwidth the bench measures itself.
 
 ``--preset NAME`` benchmarks a random-weight checkpoint with a real model's shapes (bf16 safetensors and a
-synthetic word-level tokenizer), written once into ``<cache_root>/presets/NAME`` (or ``--preset-dir``).
+synthetic word-level tokenizer), written once into ``<cache_root>/presets/NAME`` (or ``--preset-dir``); the
+engine then runs with ``skip_tokenizer_init=True`` (token ids only, no detokenizer process). With ``--model``
+the engine loads the model's tokenizer and detokenizes as in normal use.
 """
 
 from __future__ import annotations
@@ -362,7 +364,8 @@ def _timing(batch_size: int, entry: dict[str, Any]) -> StepTiming:
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    opts: dict[str, Any] = {"seed": args.seed}
+    """Engine keyword options from the flags; presets skip the tokenizer (no detokenizer process)."""
+    opts: dict[str, Any] = {"seed": args.seed, "skip_tokenizer_init": bool(args.preset)}
     for name in ("max_running_requests", "mem_fraction_static", "attention_backend"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
