@@ -110,11 +110,20 @@ class IncrementalDetokenizer:
                                      clean_up_tokenization_spaces=False)
 
     def _seed_ids(self, prompt_token_ids: Sequence[int] | None) -> list[int]:
-        """The prompt's last few ids, or none when the prompt ends inside a character."""
+        """The prompt's last few ids, widened so the window does not start inside a character (byte
+        tokens); none when the prompt ends inside a character or no clean start is found nearby."""
         if not prompt_token_ids:
             return []
-        seed = [int(t) for t in prompt_token_ids[-SEED_PROMPT_TOKENS:]]
-        return [] if self._decode(seed).endswith(REPLACEMENT_CHAR) else seed
+        ids = [int(t) for t in prompt_token_ids]
+        lowest = max(0, len(ids) - 5 * SEED_PROMPT_TOKENS)
+        if self._decode(ids[lowest:]).endswith(REPLACEMENT_CHAR):
+            return []  # the prompt ends inside a character
+        start = max(0, len(ids) - SEED_PROMPT_TOKENS)
+        while REPLACEMENT_CHAR in self._decode(ids[start:]):  # a run of byte tokens cut at its start
+            if start == lowest:
+                return []
+            start -= 1
+        return ids[start:]
 
     def _decode_window(self, flush: bool) -> str:
         """Text of the ids after ``read_offset`` if it has settled (or ``flush``), advancing the window."""

@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from tiny_models import make_tiny_checkpoint  # noqa: E402
+from weight_sync.reference import hf_greedy, hf_logprobs  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -29,32 +30,20 @@ def tiny_dir(tmp_path_factory):
 
 
 class HFReference:
-    """transformers on the same checkpoint: greedy generate and teacher-forced log-probabilities."""
+    """transformers on the same checkpoint: greedy generation and teacher-forced log-probabilities."""
 
     def __init__(self, path: str, dtype: torch.dtype = torch.float32) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         self.eos = self.model.generation_config.eos_token_id
-        self.model.generation_config.eos_token_id = None
 
-    @torch.no_grad()
     def greedy(self, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
         """``generate`` with do_sample=False; EOS ends the sequence only with ``stop_at_eos``."""
-        from transformers import GenerationConfig
+        return hf_greedy(self.model, prompt_ids, max_new_tokens, self.eos if stop_at_eos else None)
 
-        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                                  eos_token_id=self.eos if stop_at_eos else None)
-        out = self.model.generate(torch.tensor([prompt_ids]), generation_config=config)
-        return out[0, len(prompt_ids):].tolist()
-
-    @torch.no_grad()
     def logprobs(self, prompt_ids: list[int], output_ids: list[int]) -> list[float]:
-        """log_softmax of HF's logits at each generated token."""
-        ids = torch.tensor([prompt_ids + output_ids])
-        logits = self.model(ids).logits[0, len(prompt_ids) - 1:-1].float()
-        lp = torch.log_softmax(logits, dim=-1)
-        return lp[torch.arange(len(output_ids)), torch.tensor(output_ids)].tolist()
+        return hf_logprobs(self.model, prompt_ids, output_ids)
 
 
 @pytest.fixture(scope="session")

@@ -331,3 +331,16 @@ def test_step_after_finished_raises(byte_level):
     det.step(byte_level.encode("hi", add_special_tokens=False), finished=True)
     with pytest.raises(RuntimeError):
         det.step([1], finished=False)
+
+
+def test_prompt_seed_window_never_starts_inside_a_byte_run():
+    """A prompt ending in a long run of byte tokens (here "你好" as six <0xNN> tokens): the seed window
+    must start at a character boundary, or the space token that follows is lost (regression)."""
+    tok = _BUILDERS["sentencepiece_llama"]()
+    space = tok.convert_tokens_to_ids("▁")
+    byte_ids = lambda text: [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in text.encode()]  # noqa: E731
+    prompt = [space] + byte_ids("你好")
+    output = [space] + byte_ids("世界") + [space] + byte_ids("ok")
+    _, deltas = _stream(tok, output, prompt_ids=prompt)
+    full_text, prompt_text = _reference(tok, prompt + output), _reference(tok, prompt)
+    assert "".join(deltas) == full_text[len(prompt_text):] == " 世界 ok"

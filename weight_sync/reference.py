@@ -14,8 +14,13 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int, eos_token_id: 
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
                               pad_token_id=0 if eos_token_id is None else eos_token_id)
     device = next(model.parameters()).device
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device=device), generation_config=config)
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = eos_token_id  # generate merges the model's defaults back in
+    try:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt], device=device), generation_config=config)
+    finally:
+        model.generation_config.eos_token_id = saved
     return out[0, len(prompt):].tolist()
 
 
