@@ -352,6 +352,14 @@ class Engine:
             _raise(state)
         return self.tokenizer_manager.build_output(state)
 
+    # ---- for the HTTP server ----
+
+    def get_load(self, async_op: bool = False) -> Any:
+        """Scheduler counters: running, waiting, kv_used, kv_total, retractions, cached_tokens, prefill_tokens,
+        gen_tokens, weight_version. ``async_op=True`` returns a Future, so a caller (the /metrics endpoint)
+        can stop waiting while the scheduler is busy, e.g. receiving weights."""
+        return self._call("get_load", async_op)
+
 
 def _dtype_str(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")

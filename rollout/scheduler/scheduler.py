@@ -131,11 +131,14 @@ class Scheduler(WeightUpdateMixin):
         """Forward+sample timings: decode steps grouped by batch size, prefill token counts."""
         return self.stats.snapshot(reset)
 
-    def handle_get_load(self) -> dict[str, int]:
+    def handle_get_load(self) -> dict[str, Any]:
         return {"running": len(self.running) + (self.chunked is not None), "waiting": len(self.waiting),
                 "kv_used": self.allocator.num_slots - self.allocator.available - self.tree.evictable_size,
                 "kv_total": self.allocator.num_slots, "retractions": self.stats.retractions,
-                "cached_tokens": self.tree.total_size}
+                "cached_tokens": self.tree.total_size,
+                # cumulative totals for the HTTP server's /metrics
+                "prefill_tokens": self.stats.prefill_tokens, "gen_tokens": self.stats.gen_tokens,
+                "weight_version": self.weight_version}
 
     # ---- one step -----------------------------------------------------------------------------
 

@@ -1,0 +1,136 @@
+"""The server's flags (SGLang's names) as one frozen config object; no FastAPI or torch imports here."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+# flag name → EngineConfig field, for options passed to the Engine only when given
+_ENGINE_OPTIONS = {
+    "tokenizer_path": "tokenizer_path",
+    "mem_fraction_static": "mem_fraction_static",
+    "context_length": "context_length",
+    "max_running_requests": "max_running_requests",
+    "max_total_tokens": "max_total_tokens",
+    "chunked_prefill_size": "chunked_prefill_size",
+    "max_prefill_tokens": "max_prefill_tokens",
+    "cpu_kv_cache_gb": "cpu_kv_cache_gb",
+    "attention_backend": "attention_backend",
+    "random_seed": "seed",
+    "weight_version": "weight_version",
+    "load_format": "load_format",
+    "log_interval": "log_interval_s",
+}
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Everything ``rollout.launch_server`` takes. ``engine_kwargs()`` gives the ``Engine`` arguments."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    tp_size: int = 1
+    dtype: str = "auto"
+    device: str | None = None
+    served_model_name: str | None = None
+    api_key: str | None = None
+    tokenizer_path: str | None = None
+    mem_fraction_static: float | None = None
+    context_length: int | None = None
+    max_running_requests: int | None = None
+    max_total_tokens: int | None = None
+    chunked_prefill_size: int | None = None
+    max_prefill_tokens: int | None = None
+    cpu_kv_cache_gb: float | None = None
+    attention_backend: str | None = None
+    random_seed: int | None = None
+    weight_version: str | None = None
+    load_format: str | None = None
+    disable_radix_cache: bool = False
+    keep_weight_copy: bool = False
+    log_level: str = "info"
+    log_interval: float | None = None
+    log_requests: bool = False
+
+    @property
+    def model_name(self) -> str:
+        """The name clients put in ``model`` (``--served-model-name``, else the model path)."""
+        return self.served_model_name or self.model_path
+
+    @property
+    def loopback(self) -> bool:
+        return is_loopback(self.host)
+
+    @property
+    def control_refusal(self) -> str | None:
+        """Why control endpoints must refuse to run (a non-loopback bind without a key), else None."""
+        if self.loopback or self.api_key:
+            return None
+        return (f"control endpoints are disabled: the server is bound to {self.host!r} (not loopback) without "
+                "--api-key; restart it with --api-key KEY or bind to 127.0.0.1")
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``rollout.Engine`` (options left unset keep the engine's defaults)."""
+        kwargs: dict[str, Any] = {"model_path": self.model_path, "tp_size": self.tp_size, "dtype": self.dtype,
+                                  "device": self.device}
+        for flag, option in _ENGINE_OPTIONS.items():
+            value = getattr(self, flag)
+            if value is not None:
+                kwargs[option] = value
+        if self.disable_radix_cache:
+            kwargs["disable_radix_cache"] = True
+        if self.keep_weight_copy:
+            kwargs["keep_weight_copy"] = True
+        kwargs["log_level"] = "INFO" if self.log_level in ("debug", "info") else self.log_level.upper()
+        return kwargs
+
+    @classmethod
+    def from_cli(cls, argv: Sequence[str] | None = None) -> "ServerArgs":
+        """Parse command-line flags (SystemExit with usage on bad flags, like any argparse program)."""
+        ns = build_parser().parse_args(argv)
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def is_loopback(host: str) -> bool:
+    """True for "localhost" and loopback addresses (127.0.0.0/8, ::1); False for 0.0.0.0, :: and names."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollout-server",
+                                description="OpenAI-compatible and SGLang-style HTTP server for a rollout Engine")
+    p.add_argument("--model-path", required=True, help="local Hugging Face checkpoint directory")
+    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the path)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every endpoint")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--max-prefill-tokens", type=int, default=None)
+    p.add_argument("--cpu-kv-cache-gb", type=float, default=None)
+    p.add_argument("--attention-backend", default=None, choices=["auto", "torch_native", "flashinfer"])
+    p.add_argument("--random-seed", type=int, default=None)
+    p.add_argument("--weight-version", default=None, help="the version reported before any update")
+    p.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--keep-weight-copy", action="store_true", help="enable /rollback_weights")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-interval", type=float, default=None, help="seconds between scheduler log lines")
+    p.add_argument("--log-requests", action="store_true", help="log every HTTP request (uvicorn access log)")
+    return p
