@@ -142,6 +142,8 @@ class EngineConfig:
     weight_version: str = "0"
     keep_weight_copy: bool = False
     load_format: str = "auto"
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
     skip_tokenizer_init: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 

@@ -90,6 +90,16 @@ class ReqToTokenPool:
             if self.table is not self.cpu_table:
                 self.table[row, start:start + n] = slots.to(self.table.device, torch.int32, non_blocking=True)
 
+    def write_many(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
+        """table[rows[i], positions[i]] = slots[i] for every i, in one indexed write per table."""
+        r = torch.tensor(rows, dtype=torch.int64)
+        p = torch.tensor(positions, dtype=torch.int64)
+        self.cpu_table[r, p] = slots.to(torch.int32)
+        if self.table is not self.cpu_table:
+            dev = self.table.device
+            self.table[r.to(dev, non_blocking=True), p.to(dev, non_blocking=True)] = \
+                slots.to(dev, torch.int32, non_blocking=True)
+
     def slots(self, row: int, end: int) -> torch.Tensor:
         """The slots of positions [0, end) of ``row`` (CPU int64)."""
         return self.cpu_table[row, :end].to(torch.int64)

@@ -48,7 +48,10 @@ class ForwardBatch:
     def prefix_lens(self) -> list[int]:
         return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens)]
 
-    def last_token_indices(self) -> torch.Tensor:
-        """Index into the flattened tokens of each request's last token (whose logits we sample)."""
+    def last_token_indices(self) -> torch.Tensor | None:
+        """Index into the flattened tokens of each request's last token (whose logits we sample);
+        None in decode, where every token is one (and nothing may be copied in a CUDA graph)."""
+        if self.mode == ForwardMode.DECODE:
+            return None
         ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
         return ends.to(self.input_ids.device, non_blocking=True)

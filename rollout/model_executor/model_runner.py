@@ -50,8 +50,9 @@ class ModelRunner:
                               self.dtype, device)
         self.allocator = SlotAllocator(self.num_slots)
         self.req_to_token = ReqToTokenPool(config.max_running_requests + 1, self.context_len + 1, device)
-        self.attn_backend = self._attention_backend()
+        self.attn_backend = self._attention_backend(attn)
         self.sampler = Sampler()
+        self.graph_runner = self._graph_runner()
 
     def _kv_slots(self, kv_heads_local: int) -> int:
         per_token = KVPool.bytes_per_token(self.model_cfg.num_layers, kv_heads_local, self.model_cfg.head_dim,
@@ -74,18 +75,41 @@ class ModelRunner:
         logger.info("KV cache: %d token slots, %.2f GiB", slots, slots * per_token / (1 << 30))
         return slots
 
-    def _attention_backend(self) -> AttentionBackend:
+    def _attention_backend(self, attn) -> AttentionBackend:
+        """``flashinfer`` on CUDA when it is installed (the ``gpu`` extra), else ``torch_native``."""
         name = self.config.attention_backend
         if name == "auto":
-            name = "torch_native"
+            name = "flashinfer" if self.device.type == "cuda" and _has_flashinfer() else "torch_native"
         if name == "torch_native":
             from rollout.attention.torch_native import TorchNativeBackend
 
             return TorchNativeBackend()
+        if name == "flashinfer":
+            if self.device.type != "cuda":
+                raise ValueError("the flashinfer attention backend needs a CUDA device")
+            from rollout.attention.flashinfer_backend import FlashInferBackend
+
+            max_indices = self.config.max_running_requests * (self.context_len + 1) + 1
+            return FlashInferBackend(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling, self.dtype,
+                                     self.device, max_indices)
         raise ValueError(f"attention backend {name!r} is not available")
+
+    def _graph_runner(self):
+        """CUDA graphs for decode (FlashInfer backend on CUDA, unless disabled)."""
+        from rollout.attention.flashinfer_backend import FlashInferBackend
+
+        if self.config.disable_cuda_graph or not isinstance(self.attn_backend, FlashInferBackend):
+            return None
+        from rollout.model_executor.cuda_graph_runner import CudaGraphRunner, default_batch_sizes
+
+        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
+        return CudaGraphRunner(self, self.attn_backend, default_batch_sizes(max_bs))
 
     def forward(self, step: StepInput) -> torch.Tensor:
         """Logits [num_requests, vocab] (float32) of each request's last token in ``step``."""
+        if step.mode == ForwardMode.DECODE and self.graph_runner is not None \
+                and self.graph_runner.can_run(len(step.rows)):
+            return self.graph_runner.replay(step).float()
         dev = self.device
         batch = ForwardBatch(
             mode=step.mode,
@@ -109,6 +133,12 @@ class ModelRunner:
         if self.tp.size > 1:  # every rank must continue with the same tokens
             self.tp.broadcast_tensor(out.next_token_ids)
         return out
+
+
+def _has_flashinfer() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
 
 
 def _context_len(config: EngineConfig, cfg: ModelConfig) -> int:

@@ -101,5 +101,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(batch)
-        hidden = hidden.index_select(0, batch.last_token_indices())
+        last = batch.last_token_indices()
+        if last is not None:
+            hidden = hidden.index_select(0, last)
         return self.lm_head.logits(hidden)

@@ -48,7 +48,17 @@ def run_scheduler_process(config: EngineConfig, paths: IPCPaths, rank: int, read
         return
     finally:
         ready.close()
-    loop.run()
+    profile_path = os.environ.get("ROLLOUT_PROFILE_DIR")
+    if not profile_path:
+        loop.run()
+        return
+    import cProfile  # ROLLOUT_PROFILE_DIR=dir: write a cProfile of this rank's loop there at exit
+
+    profiler = cProfile.Profile()
+    try:
+        profiler.runcall(loop.run)
+    finally:
+        profiler.dump_stats(os.path.join(profile_path, f"scheduler-tp{rank}.prof"))
 
 
 class SchedulerLoop:

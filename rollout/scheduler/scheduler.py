@@ -264,10 +264,10 @@ class Scheduler(WeightUpdateMixin):
             self.retract(victim)
         reqs = list(self.running)
         slots = self.allocator.alloc(len(reqs))
-        for req, slot in zip(reqs, slots):
-            self.req_pool.write(req.pool_row, req.kv_len, slot.view(1))
-        return reqs, StepInput(ForwardMode.DECODE, [r.pool_row for r in reqs], [r.output_ids[-1] for r in reqs],
-                               [r.kv_len for r in reqs], slots, [r.kv_len + 1 for r in reqs], [1] * len(reqs))
+        rows, positions = [r.pool_row for r in reqs], [r.kv_len for r in reqs]
+        self.req_pool.write_many(rows, positions, slots)
+        return reqs, StepInput(ForwardMode.DECODE, rows, [r.output_ids[-1] for r in reqs], positions, slots,
+                               [p + 1 for p in positions], [1] * len(reqs))
 
     def retract(self, req: Req) -> None:
         """Give a running request's KV back and requeue it at the front; it resumes by re-prefilling."""

@@ -1,0 +1,107 @@
+"""FlashInfer paged attention (GPU): prefill/extend (prefix hits, chunks) and decode over page-size-1 KV.
+
+Each forward is planned once (``init_forward_metadata``); every layer then runs the planned kernel
+over its own K/V buffers, viewed as ``[num_slots + 1, 1, num_kv_heads, head_dim]`` (NHD, page size 1).
+For CUDA graphs, ``DecodeGraphState`` holds a decode wrapper with fixed buffers per batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rollout.attention.base import AttentionBackend
+from rollout.model_executor.forward_batch import ForwardMode
+
+if TYPE_CHECKING:
+    from rollout.layers.attention import Attention
+    from rollout.model_executor.forward_batch import ForwardBatch
+
+WORKSPACE_BYTES = 256 << 20
+
+
+def kv_indices_for(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, total: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Concatenation of ``req_to_token[rows[i], :seq_lens[i]]`` as int32, built on the device without
+    a host sync (``total`` = sum of seq_lens, known on the host)."""
+    seq_lens = seq_lens.to(torch.int64)
+    starts = torch.cumsum(seq_lens, 0) - seq_lens
+    row_of = torch.repeat_interleave(rows.to(torch.int64), seq_lens, output_size=total)
+    pos = torch.arange(total, device=rows.device) - torch.repeat_interleave(starts, seq_lens, output_size=total)
+    values = req_to_token[row_of, pos]
+    if out is None:
+        return values.to(torch.int32)
+    out[:total].copy_(values)
+    return out[:total]
+
+
+@dataclass
+class DecodeGraphState:
+    """A CUDA-graph-safe decode wrapper for one padded batch size, with its fixed index buffers."""
+
+    batch_size: int
+    wrapper: Any
+    indptr: torch.Tensor
+    last_page_len: torch.Tensor
+
+
+class FlashInferBackend(AttentionBackend):
+    """Plans FlashInfer's batch prefill / decode kernels per forward and runs them per layer."""
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, scaling: float, dtype: torch.dtype,
+                 device: torch.device, max_kv_indices: int) -> None:
+        import flashinfer
+
+        self.flashinfer = flashinfer
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.scaling = scaling
+        self.dtype = dtype
+        self.device = device
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
+        self.kv_indices_buf = torch.zeros(max_kv_indices, dtype=torch.int32, device=device)
+
+    def graph_state(self, batch_size: int) -> DecodeGraphState:
+        """A decode wrapper bound to fixed buffers, for capture and replay at ``batch_size``."""
+        indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device)
+        last = torch.ones(batch_size, dtype=torch.int32, device=self.device)
+        wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=self.kv_indices_buf, paged_kv_last_page_len_buffer=last)
+        return DecodeGraphState(batch_size, wrapper, indptr, last)
+
+    def init_forward_metadata(self, batch: "ForwardBatch", graph: DecodeGraphState | None = None) -> None:
+        seq_lens = batch.seq_lens_cpu
+        total = sum(seq_lens)
+        kv_indptr = _indptr(seq_lens)
+        kv_indices = kv_indices_for(batch.req_to_token, batch.req_pool_indices, batch.seq_lens, total,
+                                    out=self.kv_indices_buf)
+        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scaling)
+        if batch.mode == ForwardMode.DECODE:
+            wrapper = graph.wrapper if graph is not None else self.decode
+            last = torch.ones(len(seq_lens), dtype=torch.int32, device=self.device)
+            wrapper.plan(kv_indptr, kv_indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
+                         **common)
+        else:
+            wrapper = self.prefill
+            last = torch.ones(len(seq_lens), dtype=torch.int32, device=self.device)
+            wrapper.plan(_indptr(batch.extend_lens), kv_indptr, kv_indices, last, self.num_qo_heads,
+                         self.num_kv_heads, self.head_dim, 1, causal=True, **common)
+        batch.attn_metadata = wrapper
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention",
+                batch: "ForwardBatch") -> torch.Tensor:
+        pool = batch.kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        cache = (pool.k_buffers[layer.layer_id].unsqueeze(1), pool.v_buffers[layer.layer_id].unsqueeze(1))
+        return batch.attn_metadata.run(q.contiguous(), cache)
+
+
+def _indptr(lengths: list[int]) -> torch.Tensor:
+    """[0, l0, l0+l1, ...] as a host int32 tensor (FlashInfer's planner reads it on the host)."""
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    return out

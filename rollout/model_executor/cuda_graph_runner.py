@@ -1,0 +1,100 @@
+"""CUDA graphs for decode: one graph per padded batch size, captured after the weights load.
+
+Inputs live in static buffers; a replay copies the real batch in (padding rows write their KV to the
+scratch slot 0 and read one cached token), re-plans the attention wrapper bound to that size, and
+replays. Weights are never rebound (updates copy in place), so graphs stay valid across updates.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from rollout.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from rollout.attention.flashinfer_backend import DecodeGraphState, FlashInferBackend
+    from rollout.model_executor.model_runner import ModelRunner, StepInput
+
+logger = logging.getLogger(__name__)
+
+
+def default_batch_sizes(max_bs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
+    return sorted({min(s, max_bs) for s in sizes})
+
+
+class CudaGraphRunner:
+    """Captures and replays decode forwards for the batch sizes in ``batch_sizes``."""
+
+    def __init__(self, runner: "ModelRunner", backend: "FlashInferBackend", batch_sizes: list[int]) -> None:
+        self.runner = runner
+        self.backend = backend
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_bs = self.batch_sizes[-1]
+        dev = runner.device
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.rows = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.states: dict[int, "DecodeGraphState"] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.capture()
+
+    def can_run(self, batch_size: int) -> bool:
+        return batch_size <= self.max_bs
+
+    def _padded(self, batch_size: int) -> int:
+        return next(s for s in self.batch_sizes if s >= batch_size)
+
+    def _batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], req_pool_indices=self.rows[:bs], seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=seq_lens_cpu, extend_lens=[1] * bs, kv_pool=self.runner.kv_pool,
+            req_to_token=self.runner.req_to_token.table, attn_backend=self.backend)
+
+    def capture(self) -> None:
+        stream = torch.cuda.Stream(self.runner.device)
+        for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory
+            state = self.backend.graph_state(bs)
+            batch = self._batch(bs, [1] * bs)
+            self.backend.init_forward_metadata(batch, graph=state)
+            stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up outside the graph (allocations, lazy inits)
+                    self.runner.model(batch)
+            torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                out = self.runner.model(batch)
+            self.pool = graph.pool()
+            self.graphs[bs], self.states[bs], self.outputs[bs] = graph, state, out
+        torch.cuda.synchronize(self.runner.device)
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
+
+    def replay(self, step: "StepInput") -> torch.Tensor:
+        """Logits [B, vocab] for a decode step of B <= max batch size."""
+        b = len(step.rows)
+        bs = self._padded(b)
+        pad = bs - b
+        self.input_ids[:b].copy_(torch.tensor(step.input_ids, dtype=torch.int64), non_blocking=True)
+        self.positions[:b].copy_(torch.tensor(step.positions, dtype=torch.int64), non_blocking=True)
+        self.out_cache_loc[:b].copy_(step.out_slots, non_blocking=True)
+        self.rows[:b].copy_(torch.tensor(step.rows, dtype=torch.int64), non_blocking=True)
+        self.seq_lens[:b].copy_(torch.tensor(step.seq_lens, dtype=torch.int32), non_blocking=True)
+        if pad:
+            self.input_ids[b:bs].zero_()
+            self.positions[b:bs].zero_()
+            self.out_cache_loc[b:bs].zero_()
+            self.rows[b:bs].zero_()
+            self.seq_lens[b:bs].fill_(1)
+        batch = self._batch(bs, list(step.seq_lens) + [1] * pad)
+        self.backend.init_forward_metadata(batch, graph=self.states[bs])
+        self.graphs[bs].replay()
+        return self.outputs[bs][:b]
