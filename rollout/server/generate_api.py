@@ -1,0 +1,194 @@
+"""SGLang's native endpoints: ``POST /generate``, ``POST /tokenize``, ``POST /detokenize``.
+
+``/generate`` takes ``text`` or ``input_ids`` (one prompt or a batch) and ``sampling_params``; it answers
+``{"text", "output_ids", "meta_info"}`` per (prompt, sample), a single object for one prompt with
+``n == 1`` and a list otherwise (prompt-major). ``meta_info`` holds ``id``, ``finish_reason``
+(``{"type": "length", "length"}``, ``{"type": "stop", "matched"}`` or ``{"type": "abort", ...}``),
+``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_version``, ``e2e_latency`` and,
+with ``return_logprob``, ``output_token_logprobs`` (``[logprob, token_id, text or null]`` per token) and
+``output_top_logprobs``. Streams send the cumulative state of one (prompt, sample) per event, as SGLang does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from rollout.outputs import CompletionOutput, RequestOutput
+from rollout.server.errors import APIError
+from rollout.server.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
+from rollout.server.serving import GenJob, StreamJob, event_error, open_stream, request_ids, run_job, sampling_params
+from rollout.server.state import ServerState
+from rollout.server.streaming import DONE, ClientGone, sse
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    state = _state(request)
+    state.require_engine()
+    job = _job(body)
+    view = _GenerateView(state, body, job)
+    if body.stream:
+        sj = StreamJob(state, job, await open_stream(state, job))
+        return sj.response(_events(sj, view))
+    try:
+        outs = await run_job(state, request, job)
+    except ClientGone:
+        return Response(status_code=499)
+    items = [view.item(out, c) for out in outs for c in out.outputs]
+    return JSONResponse(items[0] if view.single else items)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    tokenizer = state.require_tokenizer()
+    engine = state.engine
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "pass exactly one of 'prompt' and 'messages'", "prompt")
+    if body.messages is not None:
+        try:
+            tokens: Any = engine.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+        count: Any = len(tokens)
+    elif isinstance(body.prompt, str):
+        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        count = len(tokens)
+    else:
+        tokens = [tokenizer.encode(p, add_special_tokens=body.add_special_tokens) for p in body.prompt]
+        count = [len(t) for t in tokens]
+    return {"tokens": tokens, "count": count, "max_model_len": engine.context_len}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    tokenizer = state.require_tokenizer()
+    vocab = state.engine.model_config.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token ids out of vocabulary [0, {vocab}): {bad[:5]}", "tokens")
+    return {"text": tokenizer.decode(body.tokens, skip_special_tokens=body.skip_special_tokens)}
+
+
+# ---- request → engine input ----------------------------------------------------------------------
+
+
+def _job(body: GenerateRequest) -> GenJob:
+    if (body.text is None) == (body.input_ids is None):
+        raise APIError(400, "pass exactly one of 'text' and 'input_ids'", "text")
+    if body.logprob_start_len != -1:
+        raise APIError(400, "prompt (input) logprobs are not supported: use logprob_start_len=-1",
+                       "logprob_start_len")
+    texts = ids = None
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else list(body.text)
+    elif body.input_ids and isinstance(body.input_ids[0], list):
+        ids = [list(p) for p in body.input_ids]
+    else:
+        ids = [list(body.input_ids or [])]
+    count = len(texts or ids or [])
+    if count == 0:
+        raise APIError(400, "no prompts given", "text" if texts is not None else "input_ids")
+    raw = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params or {}] * count
+    if len(raw) != count:
+        raise APIError(400, f"got {len(raw)} sampling_params for {count} prompts", "sampling_params")
+    params = []
+    for values in raw:
+        values = dict(values)
+        if body.return_logprob:
+            values["logprobs"] = body.top_logprobs_num
+        params.append(sampling_params(values))
+    return GenJob(texts, ids, params, request_ids("", count, body.rid))
+
+
+# ---- engine output → SGLang JSON ------------------------------------------------------------------
+
+
+class _GenerateView:
+    """SGLang's output objects; for streams it keeps each (prompt, sample)'s text and ids so far."""
+
+    def __init__(self, state: ServerState, body: GenerateRequest, job: GenJob) -> None:
+        self.tokenizer = state.engine.tokenizer
+        self.body = body
+        self.job = job
+        self.index = {rid: i for i, rid in enumerate(job.rids)}
+        self.n = {rid: p.n for rid, p in zip(job.rids, job.params)}
+        self.single = job.size == 1 and job.params[0].n == 1 and not isinstance(body.text, list) \
+            and not (body.input_ids and isinstance(body.input_ids[0], list))
+        self.so_far: dict[tuple[str, int], CompletionOutput] = {}
+
+    def item(self, out: RequestOutput, c: CompletionOutput, index: int | None = None) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": out.request_id if self.n[out.request_id] == 1 else f"{out.request_id}#{c.index}",
+            "finish_reason": _finish_reason(c, len(c.token_ids), out.error),
+            "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(c.token_ids),
+            "cached_tokens": out.num_cached_tokens, "weight_version": out.weight_version,
+            "e2e_latency": time.monotonic() - self.job.started}
+        if self.body.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, self._text(t)] for lp, t in zip(c.token_logprobs or [],
+                                                                                    c.token_ids)]
+            if self.body.top_logprobs_num:
+                meta["output_top_logprobs"] = [self._top(entry) for entry in c.logprobs or []]
+        item = {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
+        if index is not None:
+            item["index"] = index
+        return item
+
+    def delta(self, chunk: RequestOutput) -> list[dict[str, Any]]:
+        """Fold a delta chunk into the running state; one event per (prompt, sample) that changed."""
+        events = []
+        for c in chunk.outputs:
+            key = (chunk.request_id, c.index)
+            acc = self.so_far.setdefault(key, CompletionOutput(index=c.index, token_logprobs=[], logprobs=[]))
+            if acc.finish_reason is not None or not (c.token_ids or c.text or c.finish_reason):
+                continue
+            acc.text += c.text
+            acc.token_ids += c.token_ids
+            acc.token_logprobs += c.token_logprobs or []
+            acc.logprobs += c.logprobs or []
+            acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
+            index = self.index[chunk.request_id] * self.n[chunk.request_id] + c.index
+            events.append(self.item(chunk, acc, index))
+        return events
+
+    def _text(self, token_id: int) -> str | None:
+        if not self.body.return_text_in_logprobs or self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    def _top(self, entry: dict[int, Any]) -> list[list[Any]]:
+        k = self.body.top_logprobs_num
+        ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k)
+        return [[lp, tid, self._text(tid)] for _, tid, lp in ranked]
+
+
+def _finish_reason(c: CompletionOutput, length: int, error: str | None) -> dict[str, Any] | None:
+    if c.finish_reason is None:
+        return None
+    if c.finish_reason == "length":
+        return {"type": "length", "length": length}
+    if c.finish_reason == "stop":
+        return {"type": "stop", "matched": c.stop_reason}
+    return {"type": "abort", "message": error or "aborted"}
+
+
+async def _events(sj: StreamJob, view: _GenerateView) -> AsyncIterator[str]:
+    try:
+        async for chunk in sj.chunks():
+            for event in view.delta(chunk):
+                yield sse(event)
+    except (ValueError, RuntimeError) as e:
+        sj.done = True
+        yield sse(event_error(e))
+    yield DONE

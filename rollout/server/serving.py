@@ -1,0 +1,136 @@
+"""Running one HTTP generation request on the Engine: submit, await or stream, abort, count.
+
+Every endpoint that generates (``/v1/completions``, ``/v1/chat/completions``, ``/generate``) turns its
+body into a ``GenJob`` and uses ``run_job`` (all outputs at once) or ``open_stream`` + ``StreamJob``
+(delta chunks, as server-sent events).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+
+from rollout.outputs import RequestOutput
+from rollout.sampling_params import SamplingParams
+from rollout.server.errors import APIError, from_engine_error
+from rollout.server.state import ServerState
+from rollout.server.streaming import AbortingStreamResponse, ClientGone, cancel_on_disconnect
+
+
+@dataclass
+class GenJob:
+    """One HTTP request as Engine input: text prompts or token-id prompts, with one SamplingParams and
+    one request id per prompt."""
+
+    texts: list[str] | None
+    token_ids: list[list[int]] | None
+    params: list[SamplingParams]
+    rids: list[str]
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def size(self) -> int:
+        return len(self.rids)
+
+
+def request_ids(prefix: str, count: int, given: str | list[str] | None = None) -> list[str]:
+    """One id per prompt: the client's (a string for one prompt, a list for a batch) or fresh ones."""
+    if given is None:
+        base = f"{prefix}{uuid.uuid4().hex}"
+        return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
+    ids = [given] if isinstance(given, str) else list(given)
+    if len(ids) != count:
+        raise APIError(400, f"got {len(ids)} request ids for {count} prompts", "rid")
+    if len(set(ids)) != len(ids) or not all(ids):
+        raise APIError(400, "request ids must be distinct, non-empty strings", "rid")
+    return ids
+
+
+def sampling_params(values: dict[str, Any], param: str = "sampling_params") -> SamplingParams:
+    """SamplingParams from a dict of vLLM/SGLang names; a bad one is a 400 naming the field."""
+    try:
+        return SamplingParams.from_any(values)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, f"invalid {param}: {e}", param) from None
+
+
+async def run_job(state: ServerState, request: Request, job: GenJob) -> list[RequestOutput]:
+    """Generate everything; abort if the client disconnects first (then ClientGone)."""
+    engine = state.require_engine()
+    state.inflight.update(job.rids)
+    try:
+        outs = await cancel_on_disconnect(request, engine.async_generate(
+            job.texts, job.params, prompt_token_ids=job.token_ids, request_id=job.rids))
+    except ClientGone:
+        state.metrics.disconnects.inc()
+        raise
+    except (ValueError, RuntimeError) as e:
+        raise from_engine_error(e) from None
+    finally:
+        state.inflight.difference_update(job.rids)
+    for out in outs:
+        state.metrics.completion_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
+        _record_finished(state, out, job)
+    return outs
+
+
+async def open_stream(state: ServerState, job: GenJob) -> AsyncIterator[RequestOutput]:
+    """Validate and submit now (a bad request is an APIError before any event is sent); iterate later."""
+    engine = state.require_engine()
+    try:
+        stream = await engine.async_generate(job.texts, job.params, prompt_token_ids=job.token_ids,
+                                             request_id=job.rids, stream=True)
+    except (ValueError, RuntimeError) as e:
+        raise from_engine_error(e) from None
+    state.inflight.update(job.rids)
+    return stream
+
+
+class StreamJob:
+    """The engine side of one streamed response: counts tokens, and when the response closes aborts
+    whatever is still running (the client left) and forgets the request ids."""
+
+    def __init__(self, state: ServerState, job: GenJob, stream: AsyncIterator[RequestOutput]) -> None:
+        self.state = state
+        self.job = job
+        self.stream = stream
+        self.done = False
+
+    async def chunks(self) -> AsyncIterator[RequestOutput]:
+        """The engine's delta chunks; raises the engine's ValueError/RuntimeError for a failed request."""
+        metrics = self.state.metrics
+        async for chunk in self.stream:
+            metrics.completion_tokens.inc(sum(len(c.token_ids) for c in chunk.outputs))
+            if chunk.finished:
+                _record_finished(self.state, chunk, self.job)
+            yield chunk
+        self.done = True
+
+    def response(self, events: AsyncIterator[str]) -> AbortingStreamResponse:
+        return AbortingStreamResponse(events, on_close=self.close)
+
+    def close(self) -> None:
+        engine = self.state.engine
+        if not self.done:
+            self.state.metrics.disconnects.inc()
+            if engine is not None:
+                for rid in self.job.rids:
+                    engine.abort(rid)
+        self.state.inflight.difference_update(self.job.rids)
+
+
+def _record_finished(state: ServerState, out: RequestOutput, job: GenJob) -> None:
+    state.metrics.output_finished(len(out.prompt_token_ids), out.num_cached_tokens,
+                                  [c.finish_reason for c in out.outputs], time.monotonic() - job.started)
+
+
+def event_error(exc: Exception) -> dict[str, Any]:
+    """The body of the SSE event sent when a streamed request fails after it started."""
+    err = from_engine_error(exc) if isinstance(exc, (ValueError, RuntimeError)) else APIError(500, str(exc))
+    return {"error": {"message": err.message, "type": "invalid_request_error" if err.status == 400
+                      else "server_error", "param": None, "code": err.status}}
+

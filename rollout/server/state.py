@@ -1,0 +1,124 @@
+"""What the HTTP handlers share: the args, the Engine (once started), metrics and a pool for blocking calls.
+
+The Engine (and so its TokenizerManager) lives in the server process. It starts in a background thread
+so that the server answers ``/health`` with 503 while the model loads; a start-up failure is reported
+through ``on_failure`` (the launcher then exits non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+from rollout.server.errors import APIError
+from rollout.server.metrics import ServerMetrics
+from rollout.server.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class ServerState:
+    """The server's one Engine and its bookkeeping: in-flight request ids, the open weight-sync session."""
+
+    def __init__(self, args: ServerArgs, engine_factory: Callable[..., Any] | None = None) -> None:
+        self.args = args
+        self.engine: Any = None
+        self.error: str | None = None
+        self.metrics = ServerMetrics()
+        self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="engine-call")
+        self.inflight: set[str] = set()
+        self.sync_started: float | None = None
+        self.created = int(time.time())
+        self._factory = engine_factory
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, on_failure: Callable[[str], None] | None = None) -> None:
+        """Start the Engine in a background thread; ``on_failure(message)`` if it cannot start."""
+        def run() -> None:
+            try:
+                factory = self._factory or _default_engine
+                engine = factory(**self.args.engine_kwargs())
+            except BaseException as e:  # noqa: BLE001 - reported, the launcher exits
+                self.error = f"the engine failed to start: {type(e).__name__}: {e}"
+                logger.error(self.error)
+                if on_failure is not None:
+                    on_failure(self.error)
+                return
+            if self._closed:
+                engine.shutdown()
+                return
+            self.engine = engine
+            logger.info("engine ready: %s (context length %d)", self.args.model_path, engine.context_len)
+
+        self._thread = threading.Thread(target=run, name="engine-start", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the Engine (idempotent)."""
+        self._closed = True
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- access -------------------------------------------------------------------------------
+
+    def not_ready_reason(self) -> str | None:
+        """None when the engine serves; otherwise why not (starting, failed, died)."""
+        if self.error is not None:
+            return self.error
+        if self.engine is None:
+            return "the engine is starting"
+        dead = self.engine.tokenizer_manager.dead
+        return f"the engine is not running: {dead}" if dead is not None else None
+
+    def require_engine(self) -> Any:
+        """The running Engine, or APIError 503 saying why there is none."""
+        reason = self.not_ready_reason()
+        if reason is not None:
+            raise APIError(503, reason)
+        return self.engine
+
+    def require_tokenizer(self) -> Any:
+        engine = self.require_engine()
+        if engine.tokenizer is None:
+            raise APIError(400, "this server was started without a tokenizer: pass token ids")
+        return engine.tokenizer
+
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a blocking Engine call on the pool, off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+
+    @staticmethod
+    async def wait(fut: Future) -> Any:
+        """Await a ``concurrent.futures.Future`` returned by an ``async_op=True`` Engine call."""
+        return await asyncio.wrap_future(fut)
+
+    # ---- weight-sync sessions (for /metrics) ----------------------------------------------------
+
+    def sync_call_started(self) -> None:
+        if self.sync_started is None:
+            self.sync_started = time.monotonic()
+
+    def sync_call_ended(self, result: Any, ok: bool) -> None:
+        """An update call returned: a complete session sets the last sync duration; a failure ends it."""
+        complete = isinstance(result, dict) and result.get("complete", False)
+        if ok and not complete:
+            return
+        if ok and self.sync_started is not None:
+            self.metrics.weight_sync_done(time.monotonic() - self.sync_started)
+        self.sync_started = None
+
+
+def _default_engine(**kwargs: Any) -> Any:
+    from rollout.engine import Engine
+
+    return Engine(**kwargs)
