@@ -1,0 +1,406 @@
+"""The HTTP server against the Python API: the real server (a subprocess on 127.0.0.1) answered through the
+official ``openai`` client, httpx and ``rollout.client``, compared with an in-process Engine on the same
+checkpoint and settings. One server (with an API key) for the whole module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from conftest import prompts_of_lengths
+from rollout import Engine, SamplingParams
+from rollout.client import EngineClient
+from test_server_launch import ServerProcess
+
+KEY = "test-key"
+GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+TEXTS = ["the sky is", "hello world", "one two three four"]
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what color is the sea"}]
+
+
+@pytest.fixture(scope="module")
+def path(tiny_dir):
+    return tiny_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def server(path):
+    srv = ServerProcess(path, api_key=KEY)
+    try:
+        yield srv.wait_ready()
+    finally:
+        assert srv.stop(), "the server did not shut down cleanly (or left engine processes behind)"
+
+
+@pytest.fixture(scope="module")
+def engine(path):
+    """The Python API on the same settings: the reference for every output the server gives."""
+    with Engine(path, dtype="float32", device="cpu") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    import openai
+
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as c:
+        yield c
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    """Every sample of /metrics, parsed by prometheus_client's parser: {name{labels}: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def sse_events(lines) -> list:
+    """The data of each server-sent event; the last must be [DONE]."""
+    events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", events[-3:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+# ---- readiness and listing ------------------------------------------------------------------------
+
+
+def test_health_was_503_until_ready_and_models_lists_the_model(server, oai, path):
+    seen = [s for s in server.statuses if s is not None]
+    assert seen[-1] == 200 and 503 in seen, seen
+    models = oai.models.list().data
+    assert [m.id for m in models] == [path]
+
+
+# ---- OpenAI completions and chat vs the Python API --------------------------------------------------
+
+
+def test_completions_equal_the_python_api(oai, engine, path):
+    resp = oai.completions.create(model=path, prompt=TEXTS, max_tokens=12, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    ref = engine.generate(TEXTS, SamplingParams(**GREEDY, logprobs=2), use_tqdm=False)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    for choice, out in zip(resp.choices, ref):
+        c = out.outputs[0]
+        assert choice.text == c.text and choice.model_extra["token_ids"] == c.token_ids
+        assert choice.model_extra["prompt_token_ids"] == out.prompt_token_ids
+        assert choice.finish_reason == "length"
+        assert choice.logprobs.token_logprobs == pytest.approx(c.token_logprobs, abs=1e-4)
+        assert choice.logprobs.tokens == [engine.tokenizer.decode([t]) for t in c.token_ids]
+        assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    assert resp.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in ref)
+    assert resp.usage.completion_tokens == 36 and resp.usage.total_tokens == resp.usage.prompt_tokens + 36
+    assert resp.model_extra["weight_version"] == "0"
+
+
+def test_completions_stream_equals_the_python_api(oai, engine):
+    stream = oai.completions.create(model=oai.models.list().data[0].id, prompt=TEXTS, max_tokens=12,
+                                    temperature=0, stream=True, stream_options={"include_usage": True},
+                                    extra_body={"ignore_eos": True})
+    texts, finish, usage = {}, {}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    ref = engine.generate(TEXTS, SamplingParams(**GREEDY), use_tqdm=False)
+    assert texts == {i: o.outputs[0].text for i, o in enumerate(ref)}
+    assert finish == {0: "length", 1: "length", 2: "length"}
+    assert usage.completion_tokens == 36 and usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in ref)
+
+
+def test_chat_equals_the_python_api_stream_and_not(oai, engine, path):
+    ref = engine.chat(CHAT, SamplingParams(**GREEDY, logprobs=1), use_tqdm=False)[0].outputs[0]
+    resp = oai.chat.completions.create(model=path, messages=CHAT, max_tokens=12, temperature=0, logprobs=True,
+                                       top_logprobs=1, extra_body={"ignore_eos": True})
+    msg = resp.choices[0]
+    assert msg.message.role == "assistant" and msg.message.content == ref.text
+    assert [t.logprob for t in msg.logprobs.content] == pytest.approx(ref.token_logprobs, abs=1e-4)
+    assert resp.usage.prompt_tokens == len(engine.apply_chat_template(CHAT)) and resp.usage.completion_tokens == 12
+
+    stream = oai.chat.completions.create(model=path, messages=CHAT, max_tokens=12, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+    roles, text, finish = [], "", None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        roles += [delta.role] if delta.role else []
+        text += delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert roles == ["assistant"] and text == ref.text and finish == "length"
+
+
+def test_n_seed_and_stop_equal_the_python_api(oai, engine, path):
+    params = dict(temperature=1.0, top_k=50, max_tokens=10, seed=1234, n=3, ignore_eos=True)
+    resp = oai.completions.create(model=path, prompt="the red car", max_tokens=10, temperature=1.0, seed=1234, n=3,
+                                  extra_body={"top_k": 50, "ignore_eos": True})
+    ref = engine.generate(["the red car"], SamplingParams(**params), use_tqdm=False)[0]
+    assert [c.text for c in resp.choices] == [c.text for c in ref.outputs]
+    assert len({c.text for c in resp.choices}) > 1, "n samples with a seed should differ from each other"
+
+    greedy = engine.generate(["hello world"], SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0].text
+    stop = greedy.strip()[2:5] if len(greedy.strip()) >= 5 else greedy.strip()
+    want = engine.generate(["hello world"], SamplingParams(**GREEDY, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    got = oai.completions.create(model=path, prompt="hello world", max_tokens=12, temperature=0, stop=[stop],
+                                 extra_body={"ignore_eos": True}).choices[0]
+    assert want.finish_reason == "stop" and (got.text, got.finish_reason) == (want.text, "stop")
+
+
+# ---- SGLang /generate, tokenize ---------------------------------------------------------------------
+
+
+def test_generate_sglang_shape_equals_the_python_api(http, engine):
+    prompts = prompts_of_lengths([5, 9, 3], seed=3)
+    body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True, "top_logprobs_num": 2}
+    items = http.post("/generate", json=body).json()
+    ref = engine.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+        temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=2), use_tqdm=False)
+    assert len(items) == 3
+    for item, out in zip(items, ref):
+        c, meta = out.outputs[0], item["meta_info"]
+        assert item["output_ids"] == c.token_ids and item["text"] == c.text
+        assert meta["finish_reason"] == {"type": "length", "length": 8}
+        assert meta["prompt_tokens"] == len(out.prompt_token_ids) and meta["completion_tokens"] == 8
+        assert meta["weight_version"] == "0" and isinstance(meta["cached_tokens"], int)
+        assert [x[1] for x in meta["output_token_logprobs"]] == c.token_ids
+        assert [x[0] for x in meta["output_token_logprobs"]] == pytest.approx(c.token_logprobs, abs=1e-4)
+        assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+
+    single = http.post("/generate", json={"text": "the sky is", "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}).json()
+    want = engine.generate(["the sky is"], SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert isinstance(single, dict) and single["output_ids"] == want.token_ids and single["text"] == want.text
+
+    with http.stream("POST", "/generate", json={"text": "the sky is", "stream": True, "sampling_params": {
+            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}) as r:
+        events = sse_events(r.iter_lines())
+    assert events[-1]["output_ids"] == want.token_ids and events[-1]["text"] == want.text  # cumulative
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+
+
+def test_tokenize_and_detokenize_use_the_engines_tokenizer(http, engine):
+    ids = http.post("/tokenize", json={"prompt": "the blue sea"}).json()
+    assert ids["tokens"] == engine.tokenizer.encode("the blue sea") and ids["count"] == len(ids["tokens"])
+    assert ids["max_model_len"] == engine.context_len
+    chat = http.post("/tokenize", json={"messages": CHAT}).json()
+    assert chat["tokens"] == engine.apply_chat_template(CHAT)
+    text = http.post("/detokenize", json={"tokens": ids["tokens"]}).json()["text"]
+    assert text == engine.tokenizer.decode(ids["tokens"], skip_special_tokens=True)
+
+
+# ---- load and disconnects ---------------------------------------------------------------------------
+
+
+def test_200_concurrent_streams_complete_correctly(server, engine, http):
+    prompts = prompts_of_lengths([3 + i % 13 for i in range(200)], seed=7)
+    before = metrics(http)
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, list[int], str, str | None]:
+        body = {"prompt": prompts[i], "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True,
+                "return_token_ids": True}
+        ids, text, finish = [], "", None
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = [line async for line in r.aiter_lines()]
+        for event in sse_events(lines):
+            choice = event["choices"][0]
+            ids += choice.get("token_ids", [])
+            text += choice["text"]
+            finish = choice["finish_reason"] or finish
+        return i, ids, text, finish
+
+    async def run_all():
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, limits=limits,
+                                     timeout=120) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(200))), 150)
+
+    results = asyncio.run(run_all())
+    ref = engine.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+        temperature=0, max_new_tokens=8, ignore_eos=True), use_tqdm=False)
+    for (i, ids, text, finish), out in zip(results, ref):
+        assert (ids, text, finish) == (out.outputs[0].token_ids, out.outputs[0].text, "length"), i
+    after = metrics(http)
+    key = 'rollout_http_requests_total{endpoint=/v1/completions,status=200}'
+    assert after[key] - before.get(key, 0) == 200
+    assert after["rollout_generation_tokens_total"] - before["rollout_generation_tokens_total"] >= 1600
+
+
+def _wait_idle(http: httpx.Client, timeout: float = 20.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(http)
+        if m["rollout_num_running_reqs"] == 0 and m["rollout_num_queue_reqs"] == 0:
+            return m
+        assert time.monotonic() < deadline, "requests still running: the disconnected ones were not aborted"
+        time.sleep(0.1)
+
+
+def test_clients_that_disconnect_get_their_requests_aborted(server, http, engine):
+    before = _wait_idle(http)
+    long = {"max_tokens": 480, "temperature": 0, "ignore_eos": True}
+
+    async def leave_a_stream(client: httpx.AsyncClient, i: int) -> None:
+        async with client.stream("POST", "/v1/completions", json={"prompt": [5 + i, 6, 7], "stream": True,
+                                                                  **long}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break  # one event, then hang up
+
+    async def leave_a_request(client: httpx.AsyncClient, i: int) -> None:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/generate", json={"input_ids": [9 + i, 8, 7], "sampling_params": {
+                "max_new_tokens": 480, "temperature": 0, "ignore_eos": True}}, timeout=0.3)
+
+    async def run_all():
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=60) as client:
+            await asyncio.gather(*(leave_a_stream(client, i) for i in range(6)),
+                                 *(leave_a_request(client, i) for i in range(4)))
+
+    asyncio.run(run_all())
+    after = _wait_idle(http)
+    assert after["rollout_client_disconnects_total"] - before["rollout_client_disconnects_total"] == 10
+    generated = after["rollout_generation_tokens_total"] - before["rollout_generation_tokens_total"]
+    assert generated < 10 * 480 / 2, f"{generated} tokens generated: the requests ran on after the clients left"
+    # the server keeps serving, correctly
+    got = http.post("/generate", json={"text": "hello world", "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}).json()
+    want = engine.generate(["hello world"], SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0]
+    assert got["output_ids"] == want.token_ids
+
+
+def test_abort_request_by_id(server, http):
+    client = EngineClient(server.url, api_key=KEY)
+    stream = client.generate_stream(input_ids=[4, 5, 6], rid="rid-to-abort",
+                                    sampling_params={"max_new_tokens": 480, "temperature": 0, "ignore_eos": True})
+    first = next(stream)
+    assert first["meta_info"]["id"] == "rid-to-abort"
+    assert client.abort("rid-to-abort") is True
+    last = [e for e in stream][-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort" and last["meta_info"]["completion_tokens"] < 480
+    assert client.abort("rid-to-abort") is False  # no longer running
+
+
+# ---- bad requests -----------------------------------------------------------------------------------
+
+
+BAD = [  # (path, body (str = raw), headers, status, words in the message)
+    ("/v1/completions", '{"prompt": "x", "max_tokens": ', None, 400, "malformed JSON"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, None, 400, "'max_tokens'"),
+    ("/v1/completions", {"prompt": "x", "temperature": True}, None, 400, "'temperature'"),
+    ("/v1/completions", {"prompt": "x", "frobnicate": 1}, None, 400, "unknown parameter 'frobnicate'"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, None, 400, "temperature must be"),
+    ("/v1/completions", {"prompt": [5] * 600}, None, 400, "context length is 512"),
+    ("/v1/completions", {"prompt": [5, 6, 100000]}, None, 400, "out of vocabulary"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-17"}, None, 404, "does not exist"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, None, 400, "'messages.0.role'"),
+    ("/v1/chat/completions", {"messages": []}, None, 400, "'messages'"),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2, "tempurature": 1}}, None, 400,
+     "unknown sampling parameter 'tempurature'"),
+    ("/generate", {"text": "x", "input_ids": [1, 2]}, None, 400, "exactly one of 'text' and 'input_ids'"),
+    ("/update_weights_from_distributed", {"names": ["a", "b"], "dtypes": ["float32"], "shapes": [[1]]}, None, 400,
+     "one length"),
+    ("/update_weights_from_distributed", {"names": "lm_head.weight", "dtypes": ["float32"], "shapes": [[2]]},
+     None, 400, "'names'"),
+    ("/update_weights_from_distributed", {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[512, 64]],
+                                          "group_name": "no-such-group"}, None, 400, "not initialized"),
+    ("/update_weights_from_disk", {"model_path": "/no/such/checkpoint"}, None, 400, "/no/such/checkpoint"),
+    ("/pause_generation", {"mode": "sometimes"}, None, 400, "'mode'"),
+    ("/v1/completions", {"prompt": "x"}, {"Authorization": ""}, 401, "API key"),
+    ("/v1/completions", {"prompt": "x"}, {"Authorization": "Bearer wrong-key"}, 401, "API key"),
+    ("/update_weights_from_disk", {"model_path": "/x"}, {"Authorization": "Bearer wrong-key"}, 401, "API key"),
+]
+
+
+@pytest.mark.parametrize("path_, body, headers, status, words", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(http, engine, path_, body, headers, status, words):
+    kwargs = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, str) \
+        else {"json": body}
+    if headers is not None:
+        kwargs["headers"] = {**kwargs.get("headers", {}), **headers}
+    r = http.post(path_, **kwargs)
+    assert r.status_code == status, r.text
+    answer = r.json()
+    message = answer["message"] if "success" in answer else answer["error"]["message"]
+    assert words in message, message
+    if "success" in answer:
+        assert answer["success"] is False
+    got = http.post("/generate", json={"input_ids": [7, 8, 9], "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}).json()
+    want = engine.generate(prompt_token_ids=[[7, 8, 9]], sampling_params=SamplingParams(
+        temperature=0, max_new_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert got["output_ids"] == want.token_ids
+
+
+def test_the_openai_client_sees_bad_requests_as_errors(oai, path):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="unknown parameter 'frobnicate'"):
+        oai.completions.create(model=path, prompt="x", extra_body={"frobnicate": 1})
+    with openai.OpenAI(base_url=oai.base_url, api_key="nope", max_retries=0) as bad_key:
+        with pytest.raises(openai.AuthenticationError):
+            bad_key.completions.create(model=path, prompt="x", max_tokens=2)
+
+
+# ---- control over HTTP and metrics ------------------------------------------------------------------
+
+
+def test_control_calls_through_the_client(server, engine):
+    client = EngineClient(server.url, api_key=KEY)
+    assert client.get_weight_version() == "0"
+    assert client.weights_fingerprint() == engine.weights_fingerprint()
+    assert client.get_weights_by_name("lm_head.weight", 5) == pytest.approx(engine.get_weights_by_name(
+        "lm_head.weight", 5))
+    assert client.flush_cache() is True
+    assert client.get_weight_state()["state"] == "consistent"
+    assert client.update_weight_version("v-test") == "v-test"
+    out = client.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 2})
+    assert out["meta_info"]["weight_version"] == "v-test"
+    assert client.update_weight_version("0") == "0"
+    assert client.pause_generation("retract") and client.continue_generation()
+    with pytest.raises(ValueError, match="one length"):
+        client.update_weights_from_distributed(["a", "b"], ["float32"], [[1]])
+    with pytest.raises(PermissionError, match="API key"):
+        EngineClient(server.url, api_key="wrong").get_weight_version()
+
+
+def test_metrics_parse_and_move_with_traffic(http):
+    before = metrics(http)
+    for name in ("rollout_num_running_reqs", "rollout_num_queue_reqs", "rollout_kv_cache_usage",
+                 "rollout_gen_throughput", "rollout_cache_hit_rate", "rollout_last_weight_sync_seconds",
+                 "rollout_weight_version_info{version=0}", "rollout_prefill_computed_tokens_total"):
+        assert name in before, name
+    assert before["rollout_engine_load_stale"] == 0
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18]
+    for _ in range(2):  # the second one hits the prefix cache
+        http.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 5,
+                                                                            "ignore_eos": True}})
+    after = metrics(http)
+    key = "rollout_http_requests_total{endpoint=/generate,status=200}"
+    assert after[key] - before.get(key, 0) == 2
+    assert after["rollout_prompt_tokens_total"] - before["rollout_prompt_tokens_total"] == 16
+    assert after["rollout_generation_tokens_total"] - before["rollout_generation_tokens_total"] == 10
+    assert after["rollout_cached_prompt_tokens_total"] - before["rollout_cached_prompt_tokens_total"] >= 7
+    assert after["rollout_request_finished_total{finish_reason=length}"] > before.get(
+        "rollout_request_finished_total{finish_reason=length}", 0)
+    assert 0 < after["rollout_cache_hit_rate"] <= 1
+    assert after["rollout_gen_throughput"] > 0
