@@ -143,6 +143,7 @@ class EngineConfig:
     keep_weight_copy: bool = False
     load_format: str = "auto"
     disable_cuda_graph: bool = False
+    fused_kernels: bool = True
     cuda_graph_max_bs: int = 256
     skip_tokenizer_init: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False)

@@ -1,4 +1,9 @@
-"""RMSNorm computed exactly as Hugging Face Llama/Qwen do (float32 statistics, weight in model dtype)."""
+"""RMSNorm computed exactly as Hugging Face Llama/Qwen do, with an optional fused residual add.
+
+``forward(x)`` returns the normalized x; ``forward(x, residual)`` returns ``(norm(residual + x),
+residual + x)``. The torch path matches transformers bit for bit (float32 statistics, weight applied in
+the model dtype); ``fused=True`` uses FlashInfer's CUDA kernels (one kernel for add + norm, in place).
+"""
 
 from __future__ import annotations
 
@@ -13,14 +18,32 @@ from rollout.layers.linear import attach, replicated_view
 class RMSNorm(nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)), statistics in float32, result in x's dtype."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: Any = None) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: Any = None, fused: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = fused
         self.weight = attach(nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False),
                              replicated_view)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused:
+            return self._fused(x, residual)
+        if residual is None:
+            return self._norm(x)
+        h = residual + x
+        return self._norm(h), h
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def _fused(self, x: torch.Tensor, residual: torch.Tensor | None):
+        from flashinfer.norm import fused_add_rmsnorm, rmsnorm
+
+        if residual is None:
+            flat = x.reshape(-1, x.shape[-1])
+            return rmsnorm(flat, self.weight, self.eps).view(x.shape)
+        fused_add_rmsnorm(x, residual, self.weight, self.eps)  # residual += x; x = norm(residual)
+        return x, residual

@@ -126,25 +126,27 @@ class SamplingBatchInfo:
         processed = [p.logprobs_mode == "processed" for p in ps]
         k = max((p.logprobs or 0) for p in ps)
 
-        def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        def i64(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
+        # every per-row value travels in two host tensors and two copies (not one transfer per field)
+        floats = _to_device(torch.tensor([
+            [1.0 if g else float(p.temperature) for p, g in zip(ps, greedy)], top_ps, min_ps,
+            [float(p.repetition_penalty) for p in ps], [float(p.frequency_penalty) for p in ps],
+            [float(p.presence_penalty) for p in ps], [float(g) for g in greedy], [float(x) for x in processed],
+        ], dtype=torch.float32), device)
+        ints = _to_device(torch.tensor([top_ks, [_to_int64(r.seed) for r in rows], [int(r.output_len) for r in rows]],
+                                       dtype=torch.int64), device)
         ban_rows, ban_cols = _min_tokens_bans(rows, vocab_size, device)
         return cls(
-            temperatures=f32([1.0 if g else float(p.temperature) for p, g in zip(ps, greedy)]),
-            top_ps=f32(top_ps),
-            top_ks=i64(top_ks),
-            min_ps=f32(min_ps),
-            seeds=i64([_to_int64(r.seed) for r in rows]),
-            positions=i64([int(r.output_len) for r in rows]),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            use_processed=torch.tensor(processed, dtype=torch.bool, device=device),
-            repetition_penalties=f32([float(p.repetition_penalty) for p in ps]),
-            frequency_penalties=f32([float(p.frequency_penalty) for p in ps]),
-            presence_penalties=f32([float(p.presence_penalty) for p in ps]),
+            temperatures=floats[0],
+            top_ps=floats[1],
+            top_ks=ints[0],
+            min_ps=floats[2],
+            seeds=ints[1],
+            positions=ints[2],
+            is_greedy=floats[6] > 0.5,
+            use_processed=floats[7] > 0.5,
+            repetition_penalties=floats[3],
+            frequency_penalties=floats[4],
+            presence_penalties=floats[5],
             seen_mask=_seen_mask(rows, vocab_size, device),
             output_counts=_output_counts(rows, vocab_size, device),
             ban_rows=ban_rows,
@@ -161,6 +163,13 @@ class SamplingBatchInfo:
 
 
 # ----------------------------------------------------------------------------------------------- build
+
+
+def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without blocking the host (through pinned memory on CUDA)."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _to_int64(seed: int) -> int:
@@ -227,6 +236,16 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
+def _mix32_i32(x: torch.Tensor) -> torch.Tensor:
+    """``_mix32`` on int32 tensors holding the same 32 bits (wrapping multiplies, masked shifts):
+    bit-identical results at half the memory traffic of the int64 form, for the [B, V] part."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _MUL1
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _MUL2
+    return x ^ ((x >> 15) & 0x1FFFF)
+
+
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[B, V] float32 U strictly inside (0, 1), a pure function of (seed, position, token id).
 
@@ -240,9 +259,9 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     key = _mix32(key ^ ((positions & _M32) ^ _POS_SALT))
     key2 = _mix32(key ^ _KEY2_SALT)
     tok = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=seeds.device) ^ _TOKEN_SALT)
-    x = _mix32(key[:, None] ^ tok[None, :])
-    x = _mix32(x ^ key2[:, None])
-    return ((x >> 9) * 2 + 1).to(torch.float32) * (2.0 ** -24)
+    x = _mix32_i32((key[:, None] ^ tok[None, :]).to(torch.int32))
+    x = _mix32_i32(x ^ key2.to(torch.int32)[:, None])
+    return (((x >> 9) & 0x7FFFFF) * 2 + 1).to(torch.float32) * (2.0 ** -24)
 
 
 # ---------------------------------------------------------------------------------------------- sampler

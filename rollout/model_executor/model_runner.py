@@ -41,8 +41,9 @@ class ModelRunner:
         self.device = device
         self.dtype = resolve_torch_dtype(config, model_cfg)
         self.context_len = _context_len(config, model_cfg)
+        fused = config.fused_kernels and device.type == "cuda" and _has_flashinfer()
         self.model, self.weight_map = build_model(model_cfg, config.model_path, self.context_len, tp,
-                                                  self.dtype, device, config.load_format, config.seed)
+                                                  self.dtype, device, config.load_format, config.seed, fused)
         attn = self.model.model.layers[0].self_attn.attn
         self.num_slots = self._kv_slots(attn.num_kv_heads)
         self.context_len = min(self.context_len, self.num_slots - 1)

@@ -20,13 +20,13 @@ from rollout.model_executor.forward_batch import ForwardBatch
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup,
-                 dtype: torch.dtype, device: Any) -> None:
+                 dtype: torch.dtype, device: Any, fused: bool = False) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           cfg.qkv_bias, tp, dtype, device)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, dtype, device)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, fused) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, fused) if cfg.qk_norm else None
         self.rotary = rotary
         self.head_dim = cfg.head_dim
         self.attn = Attention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim,
@@ -44,56 +44,77 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: Any, fused: bool = False) -> None:
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], False, tp, dtype, device)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp, dtype, device)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            from flashinfer.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup,
-                 dtype: torch.dtype, device: Any) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary, tp, dtype, device)
-        self.mlp = LlamaMLP(cfg, tp, dtype, device)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+    """Pre-norm block; the residual stream is passed along so norms can fuse the add (HF's order)."""
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = x + self.self_attn(positions, self.input_layernorm(x), batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup,
+                 dtype: torch.dtype, device: Any, fused: bool = False) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary, tp, dtype, device, fused)
+        self.mlp = LlamaMLP(cfg, tp, dtype, device, fused)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, batch)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup, dtype: torch.dtype, device: Any,
+                 fused: bool = False) -> None:
         super().__init__()
         inv_freq, scaling = rope_inv_freq(cfg.raw, cfg.rope, cfg.head_dim)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, inv_freq, scaling, dtype, device)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, tp, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, tp, dtype, device, fused)
                                     for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
         self.rotary = rotary
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(batch.positions, x, batch)
-        return self.norm(x)
+            x, residual = layer(batch.positions, x, residual, batch)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM whose ``forward`` returns the logits of each request's last new token [B, vocab]."""
+    """Causal LM whose ``forward`` returns the logits of each request's last new token [B, vocab].
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup, dtype: torch.dtype, device: Any) -> None:
+    ``fused=True`` (CUDA with FlashInfer) uses fused add+RMSNorm and SiLU·mul kernels; the default
+    torch path computes exactly what transformers computes.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup, dtype: torch.dtype, device: Any,
+                 fused: bool = False) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions, tp, dtype, device)
+        self.model = LlamaModel(cfg, max_positions, tp, dtype, device, fused)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

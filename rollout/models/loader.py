@@ -72,11 +72,11 @@ def load_weights(weight_map: HFWeightMap, tensors: Iterator[tuple[str, torch.Ten
 
 
 def build_model(cfg: ModelConfig, model_path: str | None, max_positions: int, tp: TPGroup,
-                dtype: torch.dtype, device: Any, load_format: str = "auto", seed: int = 0
+                dtype: torch.dtype, device: Any, load_format: str = "auto", seed: int = 0, fused: bool = False
                 ) -> tuple[LlamaForCausalLM, HFWeightMap]:
     """The model with its weights loaded from ``model_path``; ``load_format="dummy"`` fills them with
     seeded random values instead (vLLM's dummy format, for benchmarks); no path leaves them unset."""
-    model = LlamaForCausalLM(cfg, max_positions, tp, dtype, device).eval()
+    model = LlamaForCausalLM(cfg, max_positions, tp, dtype, device, fused).eval()
     weight_map = HFWeightMap(model, cfg)
     if load_format == "dummy":
         init_dummy_weights(weight_map, seed)
