@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,8 +167,8 @@ class WeightUpdater:
                 continue
             if not spec.dtype.is_floating_point:
                 out.append(f"wrong dtype for {spec.name!r}: {spec.dtype} is not a floating-point type")
-        dup = {s.name for s in specs if sum(t.name == s.name for t in specs) > 1}
-        out += [f"parameter {n!r} appears more than once in one update" for n in sorted(dup)]
+        counts = Counter(s.name for s in specs)
+        out += [f"parameter {n!r} appears more than once in one update" for n in sorted(counts) if counts[n] > 1]
         return out
 
     @staticmethod

@@ -101,7 +101,7 @@ class WeightUpdateMixin:
         start = time.perf_counter()
         parsed = parse_specs([s[0] for s in specs], [s[1] for s in specs], [s[2] for s in specs])
         problems = self.updater.problems(parsed)
-        tensors = _open_shared(parsed, payload, self.runner.device)
+        tensors = _open_shared(parsed, payload)
         return self._apply(tensors, problems, start, flush_cache, weight_version, check_finite, None)
 
     def handle_update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> dict[str, Any]:
@@ -268,7 +268,7 @@ def _next_version(version: str) -> str:
     return str(int(version) + 1) if version.isdigit() else f"{version}+1"
 
 
-def _open_shared(specs: list[Any], payload: Any, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+def _open_shared(specs: list[Any], payload: Any) -> list[tuple[str, torch.Tensor]]:
     """Tensors from a colocated sender: ("cuda_ipc", [rebuild args]) or ("shm", name)."""
     kind, data = payload
     if kind == "cuda_ipc":
@@ -276,17 +276,16 @@ def _open_shared(specs: list[Any], payload: Any, device: torch.device) -> list[t
 
         return [(spec.name, rebuild_cuda_tensor(*args)) for spec, args in zip(specs, data)]
     if kind == "shm":
-        from multiprocessing import shared_memory
-
-        from multiprocessing import resource_tracker
+        from multiprocessing import resource_tracker, shared_memory
 
         shm = shared_memory.SharedMemory(name=data, create=False)
         resource_tracker.unregister(shm._name, "shared_memory")  # the sender owns and unlinks it
         try:
             flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=sum(s.nbytes for s in specs))
-            return [(n, t.clone()) for n, t in unflatten(flat, specs)]
+            tensors = [(n, t.clone()) for n, t in unflatten(flat, specs)]
+            del flat  # release the buffer export before closing the mapping
+            return tensors
         finally:
-            del flat
             shm.close()
     raise ValueError(f"unknown shared tensor payload {kind!r}")
 
