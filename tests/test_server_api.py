@@ -14,7 +14,7 @@ import pytest
 from conftest import prompts_of_lengths
 from rollout import Engine, SamplingParams
 from rollout.client import EngineClient
-from test_server_launch import ServerProcess
+from test_server_launch import ServerProcess, metrics
 
 KEY = "test-key"
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -55,20 +55,6 @@ def oai(server):
 def http(server):
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as c:
         yield c
-
-
-def metrics(http: httpx.Client) -> dict[str, float]:
-    """Every sample of /metrics, parsed by prometheus_client's parser: {name{labels}: value}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    r = http.get("/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    out = {}
-    for family in text_string_to_metric_families(r.text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
 
 
 def sse_events(lines) -> list:

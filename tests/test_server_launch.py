@@ -12,6 +12,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from typing import Any
 
 import psutil
 import pytest
@@ -94,6 +95,20 @@ class ServerProcess:
         if not clean or alive:
             print(f"server exit {self.proc.returncode}, children alive: {alive}\n{log}")
         return clean and not alive
+
+
+def metrics(http: Any) -> dict[str, float]:
+    """Every sample of /metrics, parsed by prometheus_client's parser: {name{labels}: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
 
 
 # ---- the launcher ---------------------------------------------------------------------------------
