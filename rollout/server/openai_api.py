@@ -4,7 +4,8 @@ Both generation endpoints take ``n``, ``stop``, ``seed``, ``logprobs`` and ``str
 events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk with usage).
 Responses carry ``usage`` (with ``prompt_tokens_details.cached_tokens``) and ``weight_version``; with
 ``return_token_ids`` each choice also has ``token_ids`` and ``prompt_token_ids``. Logprobs are raw (the
-model's own distribution) unless ``logprobs_mode="processed"``.
+model's own distribution) unless ``logprobs_mode="processed"``. A null ``max_tokens`` (and a chat request
+without one) generates until EOS or the context is full.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         if bad:
             raise APIError(400, f"{name} is not supported", name)
     texts, ids = _completion_prompts(body.prompt)
-    params = _params(body, body.max_tokens, body.logprobs)
+    # null max_tokens: until the context is full (the engine stops there)
+    max_tokens = body.max_tokens if body.max_tokens is not None else state.require_engine().context_len
+    params = _params(body, max_tokens, body.logprobs)
     count = len(texts or ids)
     job = GenJob(texts, ids, [params] * count, _rids(body, "cmpl-", count))
     view = _View(state, body, job, "text_completion", chat=False)
@@ -217,8 +220,10 @@ class _View:
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
-                "weight_version": self.weight_version}
+        chunk = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if self.weight_version:
+            chunk["weight_version"] = self.weight_version
+        return chunk
 
     def _index(self, out: RequestOutput, c: CompletionOutput) -> int:
         return self.prompt_index.get(out.request_id, 0) * self.n + c.index
