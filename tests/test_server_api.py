@@ -231,13 +231,15 @@ def test_200_concurrent_streams_complete_correctly(server, engine, http):
     assert after["rollout_generation_tokens_total"] - before["rollout_generation_tokens_total"] >= 1600
 
 
-def _wait_idle(http: httpx.Client, timeout: float = 20.0) -> dict[str, float]:
+def _wait_idle(http: httpx.Client, disconnects: float = 0, timeout: float = 20.0) -> dict[str, float]:
+    """/metrics once nothing runs or waits and at least ``disconnects`` disconnects were counted."""
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(http)
-        if m["rollout_num_running_reqs"] == 0 and m["rollout_num_queue_reqs"] == 0:
+        if m["rollout_num_running_reqs"] == 0 and m["rollout_num_queue_reqs"] == 0 \
+                and m["rollout_client_disconnects_total"] >= disconnects:
             return m
-        assert time.monotonic() < deadline, "requests still running: the disconnected ones were not aborted"
+        assert time.monotonic() < deadline, f"requests still running: the disconnected ones were not aborted {m}"
         time.sleep(0.1)
 
 
@@ -253,9 +255,10 @@ def test_clients_that_disconnect_get_their_requests_aborted(server, http, engine
                     break  # one event, then hang up
 
     async def leave_a_request(client: httpx.AsyncClient, i: int) -> None:
-        with pytest.raises(httpx.ReadTimeout):
+        with pytest.raises(httpx.ReadTimeout):  # gives up waiting for the answer, closes the connection
             await client.post("/generate", json={"input_ids": [9 + i, 8, 7], "sampling_params": {
-                "max_new_tokens": 480, "temperature": 0, "ignore_eos": True}}, timeout=0.3)
+                "max_new_tokens": 480, "temperature": 0, "ignore_eos": True}},
+                timeout=httpx.Timeout(30, read=0.3))
 
     async def run_all():
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=60) as client:
@@ -263,7 +266,7 @@ def test_clients_that_disconnect_get_their_requests_aborted(server, http, engine
                                  *(leave_a_request(client, i) for i in range(4)))
 
     asyncio.run(run_all())
-    after = _wait_idle(http)
+    after = _wait_idle(http, disconnects=before["rollout_client_disconnects_total"] + 10)
     assert after["rollout_client_disconnects_total"] - before["rollout_client_disconnects_total"] == 10
     generated = after["rollout_generation_tokens_total"] - before["rollout_generation_tokens_total"]
     assert generated < 10 * 480 / 2, f"{generated} tokens generated: the requests ran on after the clients left"
@@ -295,7 +298,11 @@ BAD = [  # (path, body (str = raw), headers, status, words in the message)
     ("/v1/completions", {"prompt": "x", "temperature": True}, None, 400, "'temperature'"),
     ("/v1/completions", {"prompt": "x", "frobnicate": 1}, None, 400, "unknown parameter 'frobnicate'"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, None, 400, "temperature must be"),
+    ("/v1/completions", "", None, 400, "must be a JSON object"),
+    ("/v1/completions", "[1, 2]", None, 400, "must be a JSON object"),
     ("/v1/completions", {"prompt": [5] * 600}, None, 400, "context length is 512"),
+    ("/v1/completions", {"prompt": [5] * 600, "stream": True}, None, 400, "context length is 512"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, None, 400, "echo is not supported"),
     ("/v1/completions", {"prompt": [5, 6, 100000]}, None, 400, "out of vocabulary"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-17"}, None, 404, "does not exist"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, None, 400, "'messages.0.role'"),

@@ -52,6 +52,9 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     for err in errors:
         if err.get("type") == "json_invalid":
             return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+        if tuple(err.get("loc", ())) == ("body",):  # no body, or not a JSON object
+            hint = " with the header Content-Type: application/json" if isinstance(err.get("input"), bytes) else ""
+            return f"the request body must be a JSON object{hint} (got {_short(err.get('input'))})", None
     parts: dict[str, None] = {}
     unions: set[str] = set()
     first = None
