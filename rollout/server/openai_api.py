@@ -79,7 +79,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         prompt = engine.apply_chat_template(messages)
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = max(engine.context_len - len(prompt), 0)
     k = (body.top_logprobs or 0) if body.logprobs else None
