@@ -360,6 +360,33 @@ class Engine:
         can stop waiting while the scheduler is busy, e.g. receiving weights."""
         return self._call("get_load", async_op)
 
+    # ---- for trainer adapters ----
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests submitted and not finished yet (vLLM's name; a request of ``n`` samples counts once)."""
+        return sum(not state.finished for state in list(self.tokenizer_manager.states.values()))
+
+    def update_weight_cuda_ipc(self, name: str, dtype: Any, shape: Any, ipc_handle: Any, empty_cache: bool = False,
+                               async_op: bool = False) -> Any:
+        """Load one tensor that a colocated trainer shares by CUDA IPC, without a copy through the host.
+
+        ``ipc_handle`` is ``torch.multiprocessing.reductions.reduce_tensor(t)`` of a tensor on this
+        engine's GPU (OpenRLHF's ``update_weight_cuda_ipc`` picks it by GPU UUID); the device index in it
+        is replaced by this engine's, since the trainer may number its GPUs differently. The trainer keeps
+        ``t`` alive until the call returns. ``empty_cache=True`` completes the update, as in ``update_weight``.
+        """
+        import torch
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        func, args = ipc_handle
+        if func is not rebuild_cuda_tensor:
+            raise ValueError("ipc_handle must come from reduce_tensor() of a CUDA tensor")
+        args = list(args)
+        args[6] = torch.device(self.config.resolved_device).index or 0  # storage_device
+        return self._call("update_weights_from_tensor", async_op, specs=[(name, _dtype_str(dtype), list(shape))],
+                          payload=("cuda_ipc", [tuple(args)]), flush_cache=empty_cache, weight_version=None,
+                          check_finite=False)
+
 
 def _dtype_str(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")

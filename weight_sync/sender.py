@@ -88,16 +88,70 @@ class WeightSender:
         named = [(n, self._prepare(t)) for n, t in named_tensors]
         if not named:
             raise ValueError("nothing to send")
+        buckets = plan_buckets(named, self.bucket_bytes) if self.mode == "bucket" else [[item] for item in named]
+        return self.send_buckets(buckets, len(buckets), weight_version)
+
+    def send_buckets(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], num_buckets: int,
+                     weight_version: str | None = None) -> SyncReport:
+        """Push buckets that are produced lazily, e.g. gathered one bucket at a time from a sharded model.
+
+        Each bucket is consumed (flattened and broadcast, or sent tensor by tensor in ``per_tensor``
+        mode) before the next one is requested, so only one gathered bucket needs to exist at a time.
+        ``num_buckets`` says which bucket is the last: it completes the update (cache flush, version
+        bump). In ``bucket`` mode a bucket is sent as given (plan it with ``plan_buckets``); in
+        ``per_tensor`` mode its tensors go one ``update_weight`` call each.
+        """
+        if num_buckets < 1:
+            raise ValueError("nothing to send")
         start = time.perf_counter()
-        if self.mode == "bucket":
-            buckets = plan_buckets(named, self.bucket_bytes)
-            results = self._send_buckets(buckets, weight_version)
-        else:
-            buckets = [[item] for item in named]
-            results = self._send_per_tensor(named, weight_version)
+        results: list[Any] = []
+        pending: list[Any] = []
+        count = ntensors = nbytes = 0
+        for i, bucket in enumerate(buckets):
+            if i >= num_buckets:
+                raise ValueError(f"got more than the announced {num_buckets} buckets")
+            named = [(n, self._prepare(t)) for n, t in bucket]
+            if not named:
+                raise ValueError(f"bucket {i} is empty")
+            last = i == num_buckets - 1
+            if self.mode == "bucket":
+                pending.extend(self._send_bucket(named, last, weight_version))
+            else:
+                results.extend(self._send_tensors(named, last))
+            count += 1
+            ntensors += len(named)
+            nbytes += sum(t.numel() * t.element_size() for _, t in named)
+        if count != num_buckets:
+            raise ValueError(f"got {count} buckets, {num_buckets} were announced (the update is incomplete)")
+        results.extend(f.result(self.timeout) for f in pending)
+        if self.mode == "per_tensor" and weight_version is not None:
+            for engine in self.engines:
+                engine.update_weight_version(weight_version)
         seconds = time.perf_counter() - start
-        nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        return SyncReport(self.mode, len(named), len(buckets), nbytes, seconds, weight_version, results)
+        return SyncReport(self.mode, ntensors, count, nbytes, seconds, weight_version, results)
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], last: bool, version: str | None) -> list[Any]:
+        """Announce one flat bucket to every engine without waiting, then broadcast it; returns futures."""
+        names = [n for n, _ in bucket]
+        dtypes = [_dtype(t) for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        pending = [engine.update_weights_from_distributed(
+            names, dtypes, shapes, group_name=self.group_name, flush_cache=last,
+            weight_version=version if last else None, load_format="flattened_bucket", async_op=True)
+            for engine in self.engines]
+        dist.broadcast(self._flatten([t for _, t in bucket]), src=0, group=self.group)
+        return pending
+
+    def _send_tensors(self, named: list[tuple[str, torch.Tensor]], last: bool) -> list[Any]:
+        """OpenRLHF's pattern, one tensor at a time; ``last`` marks the final tensor as ``empty_cache``."""
+        results = []
+        for i, (name, t) in enumerate(named):
+            end = last and i == len(named) - 1
+            futures = [engine.update_weight(name, _dtype(t), list(t.shape), empty_cache=end, async_op=True)
+                       for engine in self.engines]
+            dist.broadcast(t, src=0, group=self.group)
+            results.extend(f.result(self.timeout) for f in futures)
+        return results
 
     def _prepare(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -106,20 +160,6 @@ class WeightSender:
         if self.dtype is not None and t.dtype != self.dtype:
             t = t.to(self.dtype)
         return t.contiguous()
-
-    def _send_buckets(self, buckets: list[list[tuple[str, torch.Tensor]]], version: str | None) -> list[Any]:
-        pending = []
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
-            names = [n for n, _ in bucket]
-            dtypes = [_dtype(t) for _, t in bucket]
-            shapes = [list(t.shape) for _, t in bucket]
-            for engine in self.engines:
-                pending.append(engine.update_weights_from_distributed(
-                    names, dtypes, shapes, group_name=self.group_name, flush_cache=last,
-                    weight_version=version if last else None, load_format="flattened_bucket", async_op=True))
-            dist.broadcast(self._flatten([t for _, t in bucket]), src=0, group=self.group)
-        return [f.result(self.timeout) for f in pending]
 
     def _flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Pack a bucket into a buffer reused across buckets and pushes (the broadcast is synchronous)."""
@@ -131,16 +171,3 @@ class WeightSender:
             self._flat = None
             self._flat = torch.empty(max(n, self.bucket_bytes), dtype=torch.uint8, device=device)
         return flatten(tensors, out=self._flat)
-
-    def _send_per_tensor(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> list[Any]:
-        results = []
-        for i, (name, t) in enumerate(named):
-            last = i == len(named) - 1
-            futures = [engine.update_weight(name, _dtype(t), list(t.shape), empty_cache=last, async_op=True)
-                       for engine in self.engines]
-            dist.broadcast(t, src=0, group=self.group)
-            results.extend(f.result(self.timeout) for f in futures)
-        if version is not None:
-            for engine in self.engines:
-                engine.update_weight_version(version)
-        return results

@@ -1,0 +1,77 @@
+"""Colocated trainer and engine on the same GPU: weights shared by CUDA IPC handle (OpenRLHF's
+``update_weight_cuda_ipc`` path), no NCCL group and no copy through the host.
+
+Each trainer rank puts a copy of the (gathered) tensor on its own GPU and shares it with
+``reduce_tensor``; the handles are all-gathered into ``{GPU UUID: handle}``, the sending rank passes
+that dict to every engine, and each engine opens the handle of the GPU it runs on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def get_physical_gpu_id(device: Any = None) -> str:
+    """The UUID of a CUDA device (default: the current one), the key OpenRLHF uses for IPC handles."""
+    index = torch.device(device).index if device is not None else None
+    if index is None:
+        index = torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def ipc_handles(tensor: torch.Tensor, group: Any = None) -> dict[str, Any]:
+    """``{GPU UUID: reduce_tensor(tensor)}`` over every trainer rank (an all-gather when distributed).
+    Keep ``tensor`` alive until the engines have loaded it."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if not tensor.is_cuda:
+        raise ValueError("CUDA IPC needs a CUDA tensor")
+    mine = {get_physical_gpu_id(tensor.device): reduce_tensor(tensor)}
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return mine
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    merged: dict[str, Any] = {}
+    for part in everyone:
+        merged.update(part)
+    return merged
+
+
+def push_cuda_ipc(model: Any, engines: Sequence[Any] | None, *, dtype: torch.dtype | None = None,
+                  backend: str = "auto", src_rank: int = 0, timeout: float | None = None) -> dict[str, Any] | None:
+    """Push every parameter to colocated engines by CUDA IPC, one ``update_weight_cuda_ipc`` call per
+    tensor (the last one completes the update). Call on every trainer rank; returns {tensors, bytes,
+    seconds} on ``src_rank``, None elsewhere. Each rank's copy lives on its current CUDA device."""
+    import time
+
+    from trainer_adapters.handles import as_engine
+    from trainer_adapters.senders import param_source
+
+    source = param_source(model, backend)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    handles = [as_engine(e) for e in engines or []]
+    if rank == src_rank and not handles:
+        raise ValueError("the sending rank needs the engines")
+    plan = source.plan("per_tensor", 0, dtype)
+    start, nbytes = time.perf_counter(), 0
+    device = torch.device("cuda", torch.cuda.current_device())
+    for k, bucket in enumerate(source.gathered(plan)):
+        (name, full), = bucket
+        weight = full.to(device=device, dtype=dtype or full.dtype).clone()
+        shared = ipc_handles(weight)
+        if rank == src_rank:
+            futures = [e.update_weight_cuda_ipc(name, weight.dtype, list(weight.shape), shared,
+                                                empty_cache=k == len(plan) - 1, async_op=True) for e in handles]
+            for f in futures:
+                f.result(timeout)
+            nbytes += weight.numel() * weight.element_size()
+        if dist.is_initialized():
+            dist.barrier()  # the other ranks keep their copies alive until the engines have loaded them
+        torch.cuda.synchronize()
+        del weight, shared
+    if rank != src_rank:
+        return None
+    return {"tensors": len(plan), "bytes": nbytes, "seconds": time.perf_counter() - start}
