@@ -46,7 +46,7 @@ class ParamSource:
 
     @staticmethod
     def _named(model: Any) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(hf_name(n), p) for n, p in model.named_parameters()]
+        return [(hf_name(n, strip_outer=False), p) for n, p in model.named_parameters()]
 
     def metas(self) -> list[ParamMeta]:
         return [ParamMeta(n, tuple(self.full_shape(p)), p.dtype) for n, p in self.params]

@@ -16,11 +16,13 @@ _INNER = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig
 _OUTER = frozenset({"module", "_forward_module"})
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, strip_outer: bool = True) -> str:
     """``module._orig_mod.model.layers.0._fsdp_wrapped_module.mlp.up_proj.weight`` →
-    ``model.layers.0.mlp.up_proj.weight``: drop wrapper components, keep everything else."""
+    ``model.layers.0.mlp.up_proj.weight``: drop wrapper components, keep everything else.
+    ``strip_outer=False`` keeps a leading ``module.`` (for names of an already unwrapped model, where
+    ``module`` is a real submodule)."""
     parts = [p for p in name.split(".") if p not in _INNER]
-    while len(parts) > 1 and parts[0] in _OUTER:
+    while strip_outer and len(parts) > 1 and parts[0] in _OUTER:
         parts.pop(0)
     return ".".join(parts)
 
