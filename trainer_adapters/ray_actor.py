@@ -22,7 +22,6 @@ except ``CONTROL_METHODS``, which run in their own concurrency group so that the
 
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping, Sequence
 
 from rollout.outputs import RequestOutput
@@ -220,9 +219,14 @@ class EngineActor:
 
     def get_node_ip(self) -> str:
         """This actor's node address (for a trainer choosing ``master_address`` across nodes)."""
-        import socket
+        try:
+            import ray
 
-        return os.environ.get("RAY_NODE_IP_ADDRESS") or socket.gethostbyname(socket.gethostname())
+            return ray.util.get_node_ip_address()
+        except ImportError:
+            import socket
+
+            return socket.gethostbyname(socket.gethostname())
 
     def shutdown(self) -> None:
         self.engine.shutdown()
