@@ -34,7 +34,11 @@ def engines(cluster, path):
 
     handles = create_engines(2, 1, path, seed=7, dtype="float32", weight_sync_timeout=120)
     yield handles
-    ray.get([h.shutdown.remote() for h in handles])
+    try:
+        ray.get([h.shutdown.remote() for h in handles], timeout=60)
+    finally:  # an actor still busy (a failed test) is killed; its engine's processes follow their parent
+        for h in handles:
+            ray.kill(h)
 
 
 def run_trainer(backend: str, path: str, engines: list, modes: list[str]) -> dict:
@@ -101,18 +105,21 @@ def test_generate_shapes_sampling_params_and_seeds(engines):
 
 def test_control_calls_answer_during_generation(engines):
     """get_num_unfinished_requests / pause / resume run while a long generate holds the actor."""
-    ref = engines[0].generate.remote([CHECK_PROMPTS[0]] * 4, {"temperature": 1.0, "max_tokens": 400,
-                                                              "ignore_eos": True})
-    deadline = time.monotonic() + 60
-    while ray.get(engines[0].get_num_unfinished_requests.remote()) == 0:
-        assert time.monotonic() < deadline, "the generate call never showed up as unfinished"
-        time.sleep(0.05)
-    assert ray.get(engines[0].pause_generation.remote())
-    outs = ray.get(ref, timeout=60)
-    assert {o.outputs[0].finish_reason for o in outs} == {"abort"}
-    assert ray.get(engines[0].get_num_unfinished_requests.remote()) == 0
-    ray.get(engines[0].resume_generation.remote())
-    again = ray.get(engines[0].generate.remote([CHECK_PROMPTS[0]], {"max_tokens": 3}), timeout=60)
+    engine = engines[0]
+    ref = engine.generate.remote([CHECK_PROMPTS[0]] * 4, {"temperature": 1.0, "max_tokens": 400, "ignore_eos": True})
+    try:
+        deadline = time.monotonic() + 60
+        while ray.get(engine.get_num_unfinished_requests.remote()) < 4:  # all four submitted
+            assert time.monotonic() < deadline, "the generate call never showed up as unfinished"
+            time.sleep(0.05)
+        assert ray.get(engine.pause_generation.remote())  # aborts the in-flight requests, holds new ones
+        outs = ray.get(ref, timeout=60)
+        assert [o.outputs[0].finish_reason for o in outs] == ["abort"] * 4
+        assert all(len(o.outputs[0].token_ids) < 400 for o in outs)
+        assert ray.get(engine.get_num_unfinished_requests.remote()) == 0
+    finally:
+        ray.get(engine.resume_generation.remote())
+    again = ray.get(engine.generate.remote([CHECK_PROMPTS[0]], {"max_tokens": 3}), timeout=60)
     assert len(again[0].outputs[0].token_ids) == 3
 
 
