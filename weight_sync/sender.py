@@ -169,5 +169,5 @@ class WeightSender:
         device = tensors[0].device
         if self._flat is None or self._flat.numel() < n or self._flat.device != device:
             self._flat = None
-            self._flat = torch.empty(max(n, self.bucket_bytes), dtype=torch.uint8, device=device)
+            self._flat = torch.empty(n, dtype=torch.uint8, device=device)  # buckets are about equal: rarely grows
         return flatten(tensors, out=self._flat)
