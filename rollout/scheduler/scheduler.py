@@ -55,7 +55,7 @@ class Scheduler(WeightUpdateMixin):
         self.reqs: dict[str, Req] = {}
         self.weight_version = config.weight_version
         self.stopped = False
-        self._tokenizer = None
+        self._tokenizer = _BackgroundTokenizer(config)  # for stop strings; loads while serving starts
         self._pending: list[Req] = []
         self.stats = SchedulerStats()
 
@@ -389,11 +389,40 @@ class Scheduler(WeightUpdateMixin):
 
     @property
     def tokenizer(self) -> Any:
-        if self._tokenizer is None:
+        return self._tokenizer.get()
+
+
+class _BackgroundTokenizer:
+    """The tokenizer, loaded on a background thread from start-up (a first stop-string request would
+    otherwise stall every running request for the seconds a load takes)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        import threading
+
+        self._path = config.tokenizer_path or config.model_path
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = None
+        if not config.skip_tokenizer_init:
+            self._thread = threading.Thread(target=self._load, name="tokenizer-load", daemon=True)
+            self._thread.start()
+
+    def _load(self) -> None:
+        try:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path or self.config.model_path)
-        return self._tokenizer
+            self._value = AutoTokenizer.from_pretrained(self._path)
+        except BaseException as e:  # noqa: BLE001 - reported when the tokenizer is first needed
+            self._error = e
+
+    def get(self) -> Any:
+        if self._thread is not None:
+            self._thread.join()
+        elif self._value is None and self._error is None:
+            self._load()
+        if self._error is not None:
+            raise RuntimeError(f"could not load the tokenizer from {self._path!r}: {self._error}")
+        return self._value
 
 
 class SchedulerStats:
