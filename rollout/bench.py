@@ -346,6 +346,7 @@ class EngineRun:
     steady: StepTiming | None
     batch1: StepTiming | None = None
     context_len: int = 0
+    kv_tokens: int = 0
     step_stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -396,7 +397,8 @@ def run_engine(args: argparse.Namespace, model_path: str, device: str, dtype: st
         stats = engine.get_step_stats(reset=True)
         produced = sum(len(c.token_ids) for o in outs for c in o.outputs)
         run = EngineRun(RunResult(len(outs), work.input_tokens, produced, elapsed), steady_step(stats),
-                        context_len=engine.context_len, step_stats=stats)
+                        context_len=engine.context_len, kv_tokens=engine.get_server_info()["max_total_tokens"],
+                        step_stats=stats)
         if args.batch1_steps:
             run.batch1 = _batch1_probe(engine, work, args)
     return run
@@ -516,7 +518,8 @@ def build_report(args: argparse.Namespace, model_path: str, device: str, dtype: 
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "engine": engine.result.to_dict(),
-        "memory": {"copy_bandwidth_gb_s": bandwidth / 1e9, **asdict(mb)},
+        "memory": {"copy_bandwidth_gb_s": bandwidth / 1e9, **asdict(mb), "kv_cache_tokens": engine.kv_tokens,
+                   "kv_cache_gib": engine.kv_tokens * mb.kv_bytes_per_token / 2**30},
         "decode_steady": _step_report(engine.steady, mb, bandwidth),
         "decode_batch1": _step_report(engine.batch1, mb, bandwidth),
         "prefill": engine.step_stats.get("prefill"),
@@ -547,6 +550,7 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"copy bandwidth {m['copy_bandwidth_gb_s']:.1f} GB/s (read+write); weights read per step "
                  f"{m['weight_bytes_read'] / 1e6:.1f} MB of {m['weight_bytes'] / 1e6:.1f} MB per rank; "
                  f"KV {m['kv_bytes_per_token']} B/token/rank")
+    lines.append(f"KV cache {m['kv_cache_tokens']} tokens ({m['kv_cache_gib']:.1f} GiB per rank)")
     pre = r.get("prefill") or {}
     if pre.get("steps"):
         lines.append(f"prefill: {pre['tokens']} tokens in {pre['steps']} steps, {pre['seconds']:.2f} s "

@@ -117,7 +117,8 @@ class EngineConfig:
 
     Memory: on GPU the weights plus KV cache take ``mem_fraction_static`` of the device's memory; on
     CPU the KV cache takes ``cpu_kv_cache_gb``. ``max_total_tokens`` overrides both with an exact
-    number of KV slots (tokens).
+    number of KV slots (tokens). ``disable_overlap_schedule`` turns off launching decode step N+1
+    before step N's tokens reach the host (SGLang's flag name).
     """
 
     model_path: str
@@ -143,6 +144,7 @@ class EngineConfig:
     keep_weight_copy: bool = False
     load_format: str = "auto"
     disable_cuda_graph: bool = False
+    disable_overlap_schedule: bool = False
     fused_kernels: bool = True
     cuda_graph_max_bs: int = 256
     skip_tokenizer_init: bool = False

@@ -81,6 +81,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def uses_token_history(self) -> bool:
+        """Sampling depends on the tokens seen so far (repetition, frequency or presence penalty)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def _normalize(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]

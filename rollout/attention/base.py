@@ -17,7 +17,8 @@ class AttentionBackend:
     def init_forward_metadata(self, batch: "ForwardBatch") -> None:
         """Prepare per-batch metadata once before the layers run (index lists, planner state)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention",
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: "Attention",
                 batch: "ForwardBatch") -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hk, D] for the new tokens → output [T, Hq, D]."""
+        """q [T, Hq, D], k/v [T, Hk, D] for the new tokens → output [T, Hq, D]. k and v are None when the
+        model has already written them into the KV pool."""
         raise NotImplementedError

@@ -63,6 +63,7 @@ class FlashInferBackend(AttentionBackend):
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         self.kv_indices_buf = torch.zeros(max_kv_indices, dtype=torch.int32, device=device)
+        self._planned: torch.cuda.Event | None = None  # recorded after the last plan's host-to-device copies
 
     def graph_state(self, batch_size: int) -> DecodeGraphState:
         """A decode wrapper bound to fixed buffers, for capture and replay at ``batch_size``."""
@@ -79,29 +80,37 @@ class FlashInferBackend(AttentionBackend):
         kv_indptr = _indptr(seq_lens)
         kv_indices = kv_indices_for(batch.req_to_token, batch.req_pool_indices, batch.seq_lens, total,
                                     out=self.kv_indices_buf)
+        last = torch.ones(len(seq_lens), dtype=torch.int32).pin_memory()
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scaling)
+        # plan() fills a pinned host buffer of the wrapper and queues its copy to the device; the copy
+        # queued by the previous plan may still be waiting behind the step in flight (overlap scheduling),
+        # so let it finish before the buffer is overwritten (it runs as soon as that step starts)
+        if self._planned is not None:
+            self._planned.synchronize()
         if batch.mode == ForwardMode.DECODE:
             wrapper = graph.wrapper if graph is not None else self.decode
-            last = torch.ones(len(seq_lens), dtype=torch.int32, device=self.device)
             wrapper.plan(kv_indptr, kv_indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
                          **common)
         else:
             wrapper = self.prefill
-            last = torch.ones(len(seq_lens), dtype=torch.int32, device=self.device)
             wrapper.plan(_indptr(batch.extend_lens), kv_indptr, kv_indices, last, self.num_qo_heads,
                          self.num_kv_heads, self.head_dim, 1, causal=True, **common)
+        self._planned = torch.cuda.Event()
+        self._planned.record()
         batch.attn_metadata = wrapper
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention",
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: "Attention",
                 batch: "ForwardBatch") -> torch.Tensor:
         pool = batch.kv_pool
-        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        if k is not None:  # None: the model already wrote this step's k and v (fused rope kernel)
+            pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         cache = (pool.k_buffers[layer.layer_id].unsqueeze(1), pool.v_buffers[layer.layer_id].unsqueeze(1))
         return batch.attn_metadata.run(q.contiguous(), cache)
 
 
 def _indptr(lengths: list[int]) -> torch.Tensor:
-    """[0, l0, l0+l1, ...] as a host int32 tensor (FlashInfer's planner reads it on the host)."""
+    """[0, l0, l0+l1, ...] as a pinned host int32 tensor (FlashInfer's planner reads it on the host and
+    copies it to the device without waiting)."""
     out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     out[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-    return out
+    return out.pin_memory()

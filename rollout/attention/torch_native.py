@@ -23,10 +23,11 @@ class TorchNativeBackend(AttentionBackend):
         batch.attn_metadata = [batch.req_to_token[row, :n].to(torch.int64)
                                for row, n in zip(rows, batch.seq_lens_cpu)]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention",
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: "Attention",
                 batch: "ForwardBatch") -> torch.Tensor:
         pool = batch.kv_pool
-        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        if k is not None:  # None: the model already wrote this step's k and v (fused rope kernel)
+            pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
         out = torch.empty_like(q)
         start = 0

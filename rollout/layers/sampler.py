@@ -113,6 +113,12 @@ class SamplingBatchInfo:
         """True when logits must be modified before sampling (penalties or min_new_tokens bans)."""
         return self.seen_mask is not None or self.output_counts is not None or self.ban_rows is not None
 
+    @property
+    def fast_path(self) -> bool:
+        """True when the fused kernel covers the batch: no penalties, top-k/top-p, min-p or top logprobs."""
+        return (not self.has_penalties and not self.need_top_k_top_p and not self.need_min_p
+                and self.max_top_logprobs == 0)
+
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> "SamplingBatchInfo":
         """Turn per-request rows into device tensors; neutral values stand in for unused features."""
@@ -349,8 +355,17 @@ class Sampler(torch.nn.Module):
     from the Python flags of ``SamplingBatchInfo``.
     """
 
+    def __init__(self, fused: bool = False) -> None:
+        """``fused``: sample fast-path batches (``SamplingBatchInfo.fast_path``) with the Triton kernel of
+        :mod:`rollout.layers.triton_sampling`; ``fused_steps`` counts the steps it sampled."""
+        super().__init__()
+        self.fused = fused
+        self.fused_steps = 0
+
     def forward(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
         """Return a :class:`SamplerOutput` for this step (see its docstring for the fields)."""
+        if self.fused and info.fast_path:
+            return self._fused(logits, info)
         logits = logits.float()
         if info.all_greedy and not info.has_penalties:
             return self._plain_greedy(logits, info)
@@ -368,6 +383,14 @@ class Sampler(torch.nn.Module):
             if info.any_processed:
                 processed = self._processed_with_greedy(adjusted, sampled_lp, raw, info)
         return self._finish(next_ids, _choose(raw, processed, info), info)
+
+    def _fused(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
+        """Fast-path batch through the fused kernel (triton is imported only when this path is first taken)."""
+        from rollout.layers.triton_sampling import fused_sample
+
+        self.fused_steps += 1
+        out = fused_sample(logits, info.temperatures, info.seeds, info.positions, info.is_greedy, info.use_processed)
+        return SamplerOutput(*out, top_logprob_ids=None, top_logprobs=None)
 
     @staticmethod
     def _plain_greedy(logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:

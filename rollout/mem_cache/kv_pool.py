@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from rollout.device_copy import to_device
+
 
 class KVPool:
     """K and V buffers for every layer: ``[num_slots + 1, num_kv_heads, head_dim]`` each."""
@@ -88,7 +90,7 @@ class ReqToTokenPool:
         if n:
             self.cpu_table[row, start:start + n] = slots
             if self.table is not self.cpu_table:
-                self.table[row, start:start + n] = slots.to(self.table.device, torch.int32, non_blocking=True)
+                self.table[row, start:start + n] = to_device(slots.to(torch.int32), self.table.device)
 
     def write_many(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """table[rows[i], positions[i]] = slots[i] for every i, in one indexed write per table."""
@@ -97,8 +99,8 @@ class ReqToTokenPool:
         self.cpu_table[r, p] = slots.to(torch.int32)
         if self.table is not self.cpu_table:
             dev = self.table.device
-            self.table[r.to(dev, non_blocking=True), p.to(dev, non_blocking=True)] = \
-                slots.to(dev, torch.int32, non_blocking=True)
+            packed = to_device(torch.stack([r, p, slots.to(torch.int64)]), dev)  # one copy, no host wait
+            self.table[packed[0], packed[1]] = packed[2].to(torch.int32)
 
     def slots(self, row: int, end: int) -> torch.Tensor:
         """The slots of positions [0, end) of ``row`` (CPU int64)."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rollout.device_copy import list_to_device, to_device
 from rollout.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -78,16 +79,18 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.runner.device)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
 
-    def replay(self, step: "StepInput") -> torch.Tensor:
-        """Logits [B, vocab] for a decode step of B <= max batch size."""
+    def replay(self, step: "StepInput", input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits [B, vocab] for a decode step of B <= max batch size (``input_ids`` and ``rows`` [B] are
+        already on the device; the host's lists travel through pinned memory: nothing waits for the GPU)."""
         b = len(step.rows)
         bs = self._padded(b)
         pad = bs - b
-        self.input_ids[:b].copy_(torch.tensor(step.input_ids, dtype=torch.int64), non_blocking=True)
-        self.positions[:b].copy_(torch.tensor(step.positions, dtype=torch.int64), non_blocking=True)
-        self.out_cache_loc[:b].copy_(step.out_slots, non_blocking=True)
-        self.rows[:b].copy_(torch.tensor(step.rows, dtype=torch.int64), non_blocking=True)
-        self.seq_lens[:b].copy_(torch.tensor(step.seq_lens, dtype=torch.int32), non_blocking=True)
+        dev = self.runner.device
+        self.input_ids[:b].copy_(input_ids)
+        self.rows[:b].copy_(rows)
+        self.positions[:b].copy_(list_to_device(step.positions, torch.int64, dev))
+        self.out_cache_loc[:b].copy_(to_device(step.out_slots, dev))
+        self.seq_lens[:b].copy_(list_to_device(step.seq_lens, torch.int32, dev))
         if pad:
             self.input_ids[b:bs].zero_()
             self.positions[b:bs].zero_()

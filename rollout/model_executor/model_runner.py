@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from rollout.attention.base import AttentionBackend
 from rollout.config import EngineConfig, ModelConfig, resolve_torch_dtype
+from rollout.device_copy import list_to_device, to_device
 from rollout.distributed import TPGroup
 from rollout.layers.sampler import Sampler, SamplerOutput, SamplingBatchInfo, SamplingRow
 from rollout.mem_cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
@@ -20,15 +22,39 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepInput:
-    """The tokens one forward computes, flattened over requests (host lists, built by the scheduler)."""
+    """The tokens one forward computes, flattened over requests (host lists, built by the scheduler).
+
+    ``input_ids`` is None in decode: each request's input is its newest token, which may not have
+    reached the host yet (overlap scheduling), so the runner reads it from ``ModelRunner.last_token_ids``.
+    """
 
     mode: ForwardMode
     rows: list[int]
-    input_ids: list[int]
+    input_ids: list[int] | None
     positions: list[int]
     out_slots: torch.Tensor
     seq_lens: list[int]
     extend_lens: list[int]
+
+
+@dataclass
+class StepOutput:
+    """A launched step's sampled tokens, being copied to the host; ``wait()`` makes them readable.
+
+    Fields are host tensors with one row per sampled request (see ``SamplerOutput``).
+    """
+
+    next_token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+    top_logprob_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+    event: Any = None
+
+    def wait(self) -> "StepOutput":
+        if self.event is not None:
+            self.event.synchronize()
+        return self
 
 
 class ModelRunner:
@@ -41,7 +67,9 @@ class ModelRunner:
         self.device = device
         self.dtype = resolve_torch_dtype(config, model_cfg)
         self.context_len = _context_len(config, model_cfg)
-        fused = config.fused_kernels and device.type == "cuda" and _has_flashinfer()
+        # fused kernels (CUDA only): FlashInfer norm/activation, Triton rope+KV store and sampling
+        fused = (config.fused_kernels and device.type == "cuda" and _has_module("flashinfer")
+                 and _has_module("triton"))
         self.model, self.weight_map = build_model(model_cfg, config.model_path, self.context_len, tp,
                                                   self.dtype, device, config.load_format, config.seed, fused)
         attn = self.model.model.layers[0].self_attn.attn
@@ -51,8 +79,11 @@ class ModelRunner:
                               self.dtype, device)
         self.allocator = SlotAllocator(self.num_slots)
         self.req_to_token = ReqToTokenPool(config.max_running_requests + 1, self.context_len + 1, device)
+        # each request row's newest token, written by the sampler on the device: decode reads its inputs
+        # here, so the next step can be launched before the previous one's tokens reach the host
+        self.last_token_ids = torch.zeros(config.max_running_requests + 1, dtype=torch.int64, device=device)
         self.attn_backend = self._attention_backend(attn)
-        self.sampler = Sampler()
+        self.sampler = Sampler(fused=fused)
         self.graph_runner = self._graph_runner()
 
     def _kv_slots(self, kv_heads_local: int) -> int:
@@ -80,7 +111,7 @@ class ModelRunner:
         """``flashinfer`` on CUDA when it is installed (the ``gpu`` extra), else ``torch_native``."""
         name = self.config.attention_backend
         if name == "auto":
-            name = "flashinfer" if self.device.type == "cuda" and _has_flashinfer() else "torch_native"
+            name = "flashinfer" if self.device.type == "cuda" and _has_module("flashinfer") else "torch_native"
         if name == "torch_native":
             from rollout.attention.torch_native import TorchNativeBackend
 
@@ -107,18 +138,24 @@ class ModelRunner:
         return CudaGraphRunner(self, self.attn_backend, default_batch_sizes(max_bs))
 
     def forward(self, step: StepInput) -> torch.Tensor:
-        """Logits [num_requests, vocab] (float32) of each request's last token in ``step``."""
+        """Logits [num_requests, vocab] (model dtype; the sampler computes in float32) of each request's last
+        token in ``step``."""
+        dev = self.device
+        rows = list_to_device(step.rows, torch.int64, dev)
+        if step.mode == ForwardMode.DECODE:
+            input_ids = self.last_token_ids[rows]
+        else:
+            input_ids = list_to_device(step.input_ids, torch.int64, dev)
         if step.mode == ForwardMode.DECODE and self.graph_runner is not None \
                 and self.graph_runner.can_run(len(step.rows)):
-            return self.graph_runner.replay(step).float()
-        dev = self.device
+            return self.graph_runner.replay(step, input_ids, rows)
         batch = ForwardBatch(
             mode=step.mode,
-            input_ids=torch.tensor(step.input_ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.tensor(step.positions, dtype=torch.int64).to(dev, non_blocking=True),
-            out_cache_loc=step.out_slots.to(dev, non_blocking=True),
-            req_pool_indices=torch.tensor(step.rows, dtype=torch.int64).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            input_ids=input_ids,
+            positions=list_to_device(step.positions, torch.int64, dev),
+            out_cache_loc=to_device(step.out_slots, dev),
+            req_pool_indices=rows,
+            seq_lens=list_to_device(step.seq_lens, torch.int32, dev),
             seq_lens_cpu=step.seq_lens,
             extend_lens=step.extend_lens,
             kv_pool=self.kv_pool,
@@ -126,7 +163,7 @@ class ModelRunner:
             attn_backend=self.attn_backend,
         )
         self.attn_backend.init_forward_metadata(batch)
-        return self.model(batch).float()
+        return self.model(batch)
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         info = SamplingBatchInfo.build(rows, logits.shape[-1], logits.device)
@@ -135,11 +172,42 @@ class ModelRunner:
             self.tp.broadcast_tensor(out.next_token_ids)
         return out
 
+    def run_step(self, step: StepInput, sample_index: list[int], rows: list[SamplingRow]) -> StepOutput | None:
+        """Launch the forward of ``step`` and sampling of its requests ``sample_index`` (with ``rows``);
+        returns without waiting for the GPU. The sampled tokens become the rows' ``last_token_ids``."""
+        logits = self.forward(step)
+        if not sample_index:
+            return None
+        if len(sample_index) < len(step.rows):
+            logits = logits.index_select(0, list_to_device(sample_index, torch.int64, self.device))
+        out = self.sample(logits, rows)
+        sampled_rows = [step.rows[i] for i in sample_index]
+        self.last_token_ids.index_copy_(0, list_to_device(sampled_rows, torch.int64, self.device), out.next_token_ids)
+        return self._to_host(out)
 
-def _has_flashinfer() -> bool:
+    def _to_host(self, out: SamplerOutput) -> StepOutput:
+        """Start copying ``out`` to pinned host memory; the returned output's ``wait()`` completes it."""
+        if self.device.type != "cuda":
+            return StepOutput(out.next_token_ids, out.logprobs, out.ranks, out.top_logprob_ids, out.top_logprobs)
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return buf.copy_(t, non_blocking=True)
+
+        event = torch.cuda.Event()
+        result = StepOutput(host(out.next_token_ids), host(out.logprobs), host(out.ranks), host(out.top_logprob_ids),
+                            host(out.top_logprobs))
+        event.record()
+        result.event = event
+        return result
+
+
+def _has_module(name: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("flashinfer") is not None
+    return importlib.util.find_spec(name) is not None
 
 
 def _context_len(config: EngineConfig, cfg: ModelConfig) -> int:

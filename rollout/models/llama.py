@@ -29,6 +29,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, fused) if cfg.qk_norm else None
         self.rotary = rotary
         self.head_dim = cfg.head_dim
+        self.fused = fused
         self.attn = Attention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim,
                               cfg.head_dim ** -0.5)
 
@@ -39,6 +40,14 @@ class LlamaAttention(nn.Module):
         k = k.reshape(t, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.fused:  # one Triton kernel: rope on q and k, k and v written into the KV pool
+            from rollout.layers.triton_rope import rope_and_store_kv
+
+            pool, layer = batch.kv_pool, self.attn.layer_id
+            q = rope_and_store_kv(q, k, v.reshape(t, -1, self.head_dim), positions, self.rotary.cos_cache,
+                                  self.rotary.sin_cache, pool.k_buffers[layer], pool.v_buffers[layer],
+                                  batch.out_cache_loc)
+            return self.o_proj(self.attn(q, None, None, batch))
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, batch))
 

@@ -13,7 +13,8 @@ class Req:
 
     ``fill_ids`` = prompt + output so far. ``kv_len`` tokens of it have KV in the cache (slots listed in
     row ``pool_row`` of the request table); ``prefix_len`` of those belong to the radix tree (locked
-    through ``last_node``), the rest are owned by the request.
+    through ``last_node``), the rest are owned by the request. ``kv_len`` counts launched steps, and
+    ``pending`` tokens have been sampled by a launched step but not yet appended (overlap scheduling).
     """
 
     def __init__(self, msg: GenerateReq, eos_token_ids: tuple[int, ...]) -> None:
@@ -31,6 +32,7 @@ class Req:
         self.sent = 0                      # output tokens already sent to the detokenizer
         self.pool_row: int | None = None
         self.kv_len = 0
+        self.pending = 0
         self.prefix_len = 0
         self.last_node: Any = None
         self.tree: Any = None              # the radix tree that last_node belongs to
@@ -59,6 +61,13 @@ class Req:
             self.ranks.append(rank)
             if self.sampling.logprobs:
                 self.top_logprobs.append(top or [])
+
+    def ends_by_length(self, context_len: int) -> bool:
+        """The pending tokens already end this request by length, whatever their values."""
+        if not self.pending:
+            return False
+        n = len(self.output_ids) + self.pending
+        return n >= self.sampling.max_new_tokens or self.seq_len + self.pending >= context_len
 
     def check_finished(self, context_len: int, tokenizer: Any) -> None:
         """Set ``finished`` if the newest token ends the request (order: stop id, stop string, length)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,16 +21,38 @@ from rollout.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq
 from rollout.layers.sampler import SamplingRow
 from rollout.mem_cache.radix_cache import RadixCache
 from rollout.model_executor.forward_batch import ForwardMode
-from rollout.model_executor.model_runner import ModelRunner, StepInput
+from rollout.model_executor.model_runner import ModelRunner, StepInput, StepOutput
 from rollout.scheduler.req import Req
 from rollout.scheduler.weight_mixin import WEIGHT_OPS, WeightUpdateMixin
 from rollout.weight_updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
+# control calls that only read state: they may run while a step is in flight
+_READ_ONLY_OPS = frozenset({"get_load", "get_step_stats", "get_weight_version", "get_weight_state"})
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling were queued on the device; its results are read later."""
+
+    inputs: StepInput
+    reqs: list[Req]
+    sampled: list[Req]          # the requests that get a token from this step
+    output: StepOutput | None
+    launched_at: float
+
 
 class Scheduler(WeightUpdateMixin):
-    """Request queue, batch formation, KV accounting and output emission for one TP rank."""
+    """Request queue, batch formation, KV accounting and output emission for one TP rank.
+
+    Overlap scheduling (on unless ``disable_overlap_schedule``): while decode step N runs on the device,
+    the host schedules and launches step N+1, then reads N's tokens. Decode inputs come from the
+    device-side ``last_token_ids``, so N+1 needs nothing from N on the host. A request stopped by N's
+    token has one extra token computed by N+1, which is dropped; requests whose length ends them at N
+    are left out of N+1. Anything that changes requests or weights (prefill, aborts, control calls,
+    retraction, penalties that need the token history) first waits for the step in flight (``sync``).
+    """
 
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, tp: TPGroup, device: torch.device,
                  send_output: Any = None, send_reply: Any = None) -> None:
@@ -58,6 +81,9 @@ class Scheduler(WeightUpdateMixin):
         self._tokenizer = _BackgroundTokenizer(config)  # for stop strings; loads while serving starts
         self._pending: list[Req] = []
         self.stats = SchedulerStats()
+        self.overlap = not config.disable_overlap_schedule
+        self.in_flight: LaunchedStep | None = None
+        self._last_done = 0.0  # when the previous step's results reached the host
 
     @property
     def context_len(self) -> int:
@@ -67,6 +93,8 @@ class Scheduler(WeightUpdateMixin):
 
     def handle(self, msg: Any) -> None:
         """Apply one incoming message (control calls reply through ``self.reply``)."""
+        if not isinstance(msg, GenerateReq) and not (isinstance(msg, ControlReq) and msg.op in _READ_ONLY_OPS):
+            self.sync()
         if isinstance(msg, GenerateReq):
             self.add_request(msg)
         elif isinstance(msg, AbortReq):
@@ -145,33 +173,56 @@ class Scheduler(WeightUpdateMixin):
     @property
     def busy(self) -> bool:
         """There is work to do now (held requests and a paused engine are not work)."""
+        if self.in_flight is not None:
+            return True
         if self.paused == "in_place":
             return bool(self.pending_updates)
         return bool(self.running or self.chunked or self.pending_updates or (self.waiting and self.admitting)
                     or (self.waiting and self.updater.state == "inconsistent"))
 
     def step(self) -> None:
-        """Run due weight updates, then form one batch (prefill first, else decode), run it, emit outputs."""
+        """Run due weight updates, then launch one batch (prefill first, else decode), read the results of
+        the step before it, and emit outputs. A decode step stays in flight until the next call."""
         self.run_ready_updates()
         self.check_weight_state()
-        step = None
+        launched = None
         if self.paused != "in_place":
             if (self.waiting and self.admitting) or self.chunked:
-                step = self.schedule_prefill()
-            if step is None and self.running:
-                step = self.schedule_decode()
-        if step is not None:
-            reqs, inputs = step
-            start = time.perf_counter()
-            logits = self.runner.forward(inputs)
-            self.process_results(reqs, inputs, logits)
-            self.stats.record(inputs, time.perf_counter() - start)
+                self.sync()
+                launched = self.schedule_prefill()
+            if launched is None and self.running:
+                launched = self.schedule_decode()
+        previous, self.in_flight = self.in_flight, None
+        if previous is not None:
+            self.process_results(previous)
+        if launched is not None:
+            if self.overlap and launched.inputs.mode == ForwardMode.DECODE:
+                self.in_flight = launched
+            else:
+                self.process_results(launched)
         self.emit()
         self.stats.maybe_log(self)
 
+    def sync(self) -> None:
+        """Read the results of the step in flight, if any (the host state is then complete)."""
+        if self.in_flight is not None:
+            launched, self.in_flight = self.in_flight, None
+            self.process_results(launched)
+
+    def launch(self, reqs: list[Req], inputs: StepInput, sampled: list[Req]) -> LaunchedStep:
+        """Queue the forward of ``inputs`` and sampling for ``sampled`` (a subset of ``reqs``, in order)."""
+        index = [i for i, r in enumerate(reqs) if r in sampled] if len(sampled) < len(reqs) else list(range(len(reqs)))
+        rows = [self._sampling_row(r) for r in sampled]
+        for req, n in zip(reqs, inputs.extend_lens):
+            req.kv_len += n
+        for req in sampled:
+            req.pending += 1
+        start = time.perf_counter()
+        return LaunchedStep(inputs, reqs, sampled, self.runner.run_step(inputs, index, rows), start)
+
     # ---- prefill ------------------------------------------------------------------------------
 
-    def schedule_prefill(self) -> tuple[list[Req], StepInput] | None:
+    def schedule_prefill(self) -> LaunchedStep | None:
         budget = self.config.max_prefill_tokens
         reqs: list[Req] = []
         lens: list[int] = []
@@ -182,7 +233,7 @@ class Scheduler(WeightUpdateMixin):
             reqs.append(self.chunked), lens.append(n)
             budget -= n
             if self.chunked.kv_len + n < self.chunked.seq_len:
-                return reqs, self._extend_input(reqs, lens)
+                return self._launch_extend(reqs, lens)
         in_batch = RadixCache(lambda slots: None)
         deferred: list[Req] = []
         while self.waiting and budget > 0 and self.admitting:
@@ -207,7 +258,7 @@ class Scheduler(WeightUpdateMixin):
         self.waiting.extendleft(reversed(deferred))
         if not reqs:
             return None
-        return reqs, self._extend_input(reqs, lens)
+        return self._launch_extend(reqs, lens)
 
     def _admit_new(self, req: Req, budget: int, headroom: int, in_batch: RadixCache) -> int | None:
         """Place a waiting request's cached prefix and first chunk; 0 = no room now, None = defer."""
@@ -243,31 +294,51 @@ class Scheduler(WeightUpdateMixin):
         """Take ``n`` slots (already ensured free) for the request's next ``n`` tokens."""
         self.req_pool.write(req.pool_row, req.kv_len, self.allocator.alloc(n))
 
-    def _extend_input(self, reqs: list[Req], lens: list[int]) -> StepInput:
+    def _launch_extend(self, reqs: list[Req], lens: list[int]) -> LaunchedStep:
+        """Launch the chunks; a request whose prompt (and earlier output) is now complete gets a token."""
         ids, pos, slots = [], [], []
         for req, n in zip(reqs, lens):
             ids.extend(req.fill_ids[req.kv_len:req.kv_len + n])
             pos.extend(range(req.kv_len, req.kv_len + n))
             slots.append(self.req_pool.slots(req.pool_row, req.kv_len + n)[req.kv_len:])
-        return StepInput(ForwardMode.EXTEND, [r.pool_row for r in reqs], ids, pos, torch.cat(slots),
-                         [r.kv_len + n for r, n in zip(reqs, lens)], lens)
+        inputs = StepInput(ForwardMode.EXTEND, [r.pool_row for r in reqs], ids, pos, torch.cat(slots),
+                           [r.kv_len + n for r, n in zip(reqs, lens)], lens)
+        sampled = [r for r, n in zip(reqs, lens) if r.kv_len + n == r.seq_len]
+        return self.launch(reqs, inputs, sampled)
 
     # ---- decode -------------------------------------------------------------------------------
 
-    def schedule_decode(self) -> tuple[list[Req], StepInput] | None:
-        while not self._ensure_slots(len(self.running)):
+    def schedule_decode(self) -> LaunchedStep | None:
+        """Launch one decode step over the running requests (after the step in flight, if any)."""
+        reqs = self._decode_candidates()
+        if self.in_flight is not None and (not self._ensure_slots(len(reqs)) or self._needs_history(reqs)):
+            self.sync()
+            reqs = self._decode_candidates()
+        while not self._ensure_slots(len(reqs)):  # nothing is in flight here
             victim = self.running.pop()
             if not self.running:
                 self.release(victim)
                 self.finish(victim, FinishReason("abort", message="sequence does not fit in the KV cache"))
                 return None
             self.retract(victim)
-        reqs = list(self.running)
+            reqs = self._decode_candidates()
+        if not reqs:
+            return None
         slots = self.allocator.alloc(len(reqs))
         rows, positions = [r.pool_row for r in reqs], [r.kv_len for r in reqs]
         self.req_pool.write_many(rows, positions, slots)
-        return reqs, StepInput(ForwardMode.DECODE, rows, [r.output_ids[-1] for r in reqs], positions, slots,
-                               [p + 1 for p in positions], [1] * len(reqs))
+        inputs = StepInput(ForwardMode.DECODE, rows, None, positions, slots, [p + 1 for p in positions],
+                           [1] * len(reqs))
+        return self.launch(reqs, inputs, reqs)
+
+    def _decode_candidates(self) -> list[Req]:
+        """Running requests, less those that the step in flight ends by length (known without its tokens)."""
+        return [r for r in self.running if not r.ends_by_length(self.context_len)]
+
+    @staticmethod
+    def _needs_history(reqs: list[Req]) -> bool:
+        """Some request's sampling reads its generated tokens (penalties): they must be on the host."""
+        return any(r.pending and r.sampling.uses_token_history for r in reqs)
 
     def retract(self, req: Req) -> None:
         """Give a running request's KV back and requeue it at the front; it resumes by re-prefilling."""
@@ -277,24 +348,23 @@ class Scheduler(WeightUpdateMixin):
 
     # ---- results ------------------------------------------------------------------------------
 
-    def process_results(self, reqs: list[Req], step: StepInput, logits: torch.Tensor) -> None:
-        done = []
-        for i, (req, n) in enumerate(zip(reqs, step.extend_lens)):
-            req.kv_len += n
-            if req.kv_len == req.seq_len:
-                done.append(i)
-        if not done:
+    def process_results(self, step: LaunchedStep) -> None:
+        """Wait for a launched step's tokens and apply them: append, check stops, finish, cache prefixes."""
+        out = step.output.wait() if step.output is not None else None
+        now = time.perf_counter()
+        self.stats.record(step.inputs, now - max(step.launched_at, self._last_done))
+        self._last_done = now
+        if out is None:
             return
-        sampled = [reqs[i] for i in done]
-        out = self.runner.sample(logits[done] if len(done) < len(reqs) else logits,
-                                 [self._sampling_row(r) for r in sampled])
-        ids = out.next_token_ids.tolist()
-        lps = out.logprobs.tolist()
-        ranks = out.ranks.tolist()
+        ids, lps, ranks = out.next_token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
         top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        for j, req in enumerate(sampled):
-            if step.mode == ForwardMode.EXTEND:
+        extend = step.inputs.mode == ForwardMode.EXTEND
+        for j, req in enumerate(step.sampled):
+            req.pending -= 1
+            if req.finished is not None:  # ended (or aborted) while this step was in flight: drop the token
+                continue
+            if extend:
                 if self.chunked is req:
                     self.chunked = None
                 self.cache_prefix(req)
@@ -310,7 +380,7 @@ class Scheduler(WeightUpdateMixin):
                 self.finish(req, req.finished)
 
     def _sampling_row(self, req: Req) -> SamplingRow:
-        return SamplingRow(params=req.sampling, seed=req.seed, output_len=len(req.output_ids),
+        return SamplingRow(params=req.sampling, seed=req.seed, output_len=len(req.output_ids) + req.pending,
                            prompt_token_ids=req.prompt_ids, output_token_ids=req.output_ids,
                            eos_token_ids=list(self.model_cfg.eos_token_ids))
 

@@ -40,6 +40,7 @@ class WeightUpdateMixin:
         in_flight = self.running or self.chunked is not None
         if in_flight and self.paused != "in_place":
             return
+        self.sync()  # no forward may read the weights while they change
         while self.pending_updates:
             self.reply(self.run_control(self.pending_updates.popleft()))
 

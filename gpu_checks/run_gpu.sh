@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks of docs/benchmarks.md, by stage (each stage fits one 10-minute device call).
+# Run in the repository root on the GPU machine after `source .gpu/prelude.sh`; logs and JSON go to $OUT
+# (or ./gpu_out).
+#   bash gpu_checks/run_gpu.sh kernels   # Triton kernels, FlashInfer vs torch attention, a small model vs HF
+#   bash gpu_checks/run_gpu.sh qwen      # Qwen3-0.6B shape, nano-vllm protocol
+#   bash gpu_checks/run_gpu.sh hf        # Llama-3.2-1B shape vs transformers generate
+#   bash gpu_checks/run_gpu.sh 8b-logits # Llama-3.1-8B shape: teacher-forced logits vs transformers
+#   bash gpu_checks/run_gpu.sh 8b-bench  # Llama-3.1-8B shape: 256 x 1000 in / 1000 out, batch-1 step
+#   bash gpu_checks/run_gpu.sh tp2       # 2 GPUs: TP=2 vs TP=1 logits, TP=2 8B throughput
+set -uo pipefail
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+# presets (random-weight checkpoints, 16 GB for 8B) stay in the repository's ignored .gpucache between calls
+export ROLLOUT_CACHE_DIR=${ROLLOUT_CACHE_DIR:-$PWD/.gpucache}
+step() {  # step NAME SECONDS CMD...: run with a time limit, keep the log, say how it ended
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python -c "import torch, transformers, flashinfer, triton; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, 'flashinfer', flashinfer.__version__, 'triton', triton.__version__)"
+case "${1:?stage}" in
+  kernels)
+    step kernels 240 python gpu_checks/check_kernels.py
+    step attention 200 python gpu_checks/check_attention_and_engine.py --part attention
+    step logits-small 200 python gpu_checks/check_logits.py --num-seqs 32 ;;
+  qwen)
+    step bench-qwen3-0.6b 540 python -m rollout.bench --preset qwen3-0.6b --random-range --num-prompts 256 \
+      --batch1-steps 64 --json "$out/bench-qwen3-0.6b.json" ;;
+  hf)
+    step bench-llama-3.2-1b-hf 560 python -m rollout.bench --preset llama-3.2-1b --num-prompts 256 --input-len 128 \
+      --output-len 256 --hf-baseline --json "$out/bench-llama-3.2-1b-hf.json" ;;
+  8b-logits)
+    step preset-8b 240 python -c "from rollout.bench import write_preset; print(write_preset('llama-3.1-8b'))"
+    step logits-8b 320 python gpu_checks/check_logits.py --preset llama-3.1-8b --num-seqs 32 --tp-sizes 1 ;;
+  8b-bench)
+    step bench-8b 560 python -m rollout.bench --preset llama-3.1-8b --num-prompts 256 --input-len 1000 \
+      --output-len 1000 --batch1-steps 64 --json "$out/bench-llama-3.1-8b.json" ;;
+  tp2)
+    step preset-8b 200 python -c "from rollout.bench import write_preset; print(write_preset('llama-3.1-8b'))"
+    step logits-8b-tp2 400 python gpu_checks/check_logits.py --preset llama-3.1-8b --num-seqs 32 --tp-sizes 1,2
+    step bench-8b-tp2 540 python -m rollout.bench --preset llama-3.1-8b --tp-size 2 --num-prompts 256 \
+      --input-len 1000 --output-len 1000 --batch1-steps 64 --json "$out/bench-llama-3.1-8b-tp2.json" ;;
+  *) echo "unknown stage $1"; exit 2 ;;
+esac

@@ -1,0 +1,272 @@
+"""Fused Triton sampler for the common RL fast path of :class:`rollout.layers.sampler.Sampler`.
+
+Fast path: no penalties, no top-k / top-p / min-p, no top logprobs (``SamplingBatchInfo.fast_path``). One
+program per row, at most two loops over its logits:
+
+1. online log-sum-exp of the row's chosen distribution, the argmax of the logits (greedy rows) or of the
+   exponential race ``logits / T - log(-log(U))`` (random rows, with the same hash as ``uniform_noise``), and
+   the max of every block. A block whose max cannot beat the race's best so far skips the hash.
+2. random rows only: the rank of the sampled token, reading only the blocks whose max ranks above it.
+
+Greedy rows need only loop 1 (their token is the argmax of the raw distribution, so its rank is 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rollout.layers import sampler as _sampler
+
+__all__ = ["fused_sample"]
+
+_MUL1 = tl.constexpr(_sampler._MUL1)
+_MUL2 = tl.constexpr(_sampler._MUL2)
+_SEED_SALT = tl.constexpr(_sampler._SEED_SALT)
+_POS_SALT = tl.constexpr(_sampler._POS_SALT)
+_TOKEN_SALT = tl.constexpr(_sampler._TOKEN_SALT)
+_KEY2_SALT = tl.constexpr(_sampler._KEY2_SALT)
+
+# row modes: which distribution the token, logprob and rank come from
+_GREEDY = tl.constexpr(0)     # argmax of the logits; raw distribution
+_RAW = tl.constexpr(1)        # race on logits / T; raw distribution
+_PROCESSED = tl.constexpr(2)  # race on logits / T; distribution log_softmax(logits / T)
+
+# U <= 1 - 2**-24, so E = -log(U) >= 5.96e-8 and -log(E) <= 16.64: a block whose max z = logits / T is
+# below best - 17 cannot win the race.
+_RACE_BOUND = tl.constexpr(17.0)
+_BLOCK = 2048
+_MAX_INT32 = tl.constexpr(2**31 - 1)
+
+
+@triton.jit
+def _mix32(x):
+    """``sampler._mix32`` on uint32 (wrapping multiplies, logical shifts)."""
+    x = x ^ (x >> 16)
+    x = x * _MUL1
+    x = x ^ (x >> 15)
+    x = x * _MUL2
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _row_keys(seed, position):
+    """The two per-row uint32 keys of ``uniform_noise`` from an int64 seed and an int64 position."""
+    key = _mix32(seed.to(tl.uint32) ^ _SEED_SALT)
+    key = _mix32(key ^ (seed >> 32).to(tl.uint32))
+    key = _mix32(key ^ (position.to(tl.uint32) ^ _POS_SALT))
+    return key, _mix32(key ^ _KEY2_SALT)
+
+
+@triton.jit
+def _uniform(offs, key, key2):
+    """``uniform_noise`` at token ids ``offs`` (int32): float32 odd multiples of 2**-24, bit-identical."""
+    x = _mix32(key ^ _mix32(offs.to(tl.uint32) ^ _TOKEN_SALT))
+    x = _mix32(x ^ key2)
+    # the top 23 bits as the mantissa of 1 + j * 2**-23; minus (1 - 2**-24) this is exactly (2j + 1) * 2**-24
+    one_plus = ((x >> 9) | 0x3F800000).to(tl.float32, bitcast=True)
+    return one_plus - (1.0 - 2.0**-24)
+
+
+@triton.jit
+def _log(x):
+    """Natural log of positive normal float32 ``x``, within 1 ulp, branch-free.
+
+    Not tl.log, whose precision is the backend's (libdevice on NVIDIA; numpy's float32 log, up to 4 ulp
+    off, in the interpreter): -log(U) is ~6e-8 for U near 1, i.e. for the tokens most likely to win the race,
+    and needs relative precision there. This one is also the same formula in the interpreter as on the GPU
+    (up to FMA contraction), so the CPU tests check the arithmetic the GPU runs.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    e = (bits - 0x3F400000) >> 23  # x = 2**e * (1 + f) with 1 + f in [0.75, 1.5)
+    f = (bits - (e << 23)).to(tl.float32, bitcast=True) - 1.0
+    # e as float through the mantissa of 1.5 * 2**23 (no quarter-rate int-to-float conversion)
+    ef = (e + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    q = -0.04490300267934799  # log1p(f) = f + f**2 * q(f): relative error < 5e-9 on [-0.25, 0.5]
+    q = q * f + 0.10447084903717041
+    q = q * f - 0.13161559402942657
+    q = q * f + 0.14482031762599945
+    q = q * f - 0.16647827625274658
+    q = q * f + 0.1999061554670334
+    q = q * f - 0.250000536441803
+    q = q * f + 0.3333345353603363
+    q = q * f - 0.5
+    log1p = f + f * f * q
+    return ef * 0.693359375 + (ef * -2.1219444005469e-4 + log1p)  # ln 2 split in a short exact part and a rest
+
+
+@triton.jit
+def _argmax_update(v, offs, v_max, tok, best):
+    """Fold one block (values ``v`` at ``offs``, max ``v_max``) into the running argmax; lowest index wins ties."""
+    if v_max > best:  # rare after the first blocks: the index reduction runs only then
+        tok = tl.min(tl.where(v == v_max, offs, _MAX_INT32), axis=0)
+        best = v_max
+    return tok, best
+
+
+@triton.jit
+def _scan(row_ptr, t, key, key2, V: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """Loop 1 over a row -> (token, m, lse, block maxima) of the chosen distribution y (logits, or logits / T
+    for _PROCESSED): m = max(y), lse = log(sum(exp(y - m))), block maxima of y as an [NB] vector."""
+    offs0 = tl.arange(0, BLOCK)
+    blk_ids = tl.arange(0, NB)
+    blk_max = tl.full([NB], float("-inf"), tl.float32)
+    acc = tl.zeros([BLOCK], tl.float32)
+    m = tl.full([], float("-inf"), tl.float32)
+    best = tl.full([], float("-inf"), tl.float32)
+    tok = tl.zeros([], tl.int32)
+    x_next = tl.load(row_ptr + offs0, mask=offs0 < V, other=float("-inf"))
+    for i in range(0, tl.cdiv(V, BLOCK)):
+        offs = i * BLOCK + offs0
+        x = x_next.to(tl.float32)
+        # prefetch: the next block's load is in flight while this one is reduced (one row per program
+        # leaves few warps per SM to hide memory latency)
+        x_next = tl.load(row_ptr + offs + BLOCK, mask=offs + BLOCK < V, other=float("-inf"))
+        y = x
+        if MODE == _PROCESSED:
+            y = tl.math.div_rn(x, t)
+        y_max = tl.max(y, axis=0)
+        blk_max = tl.where(blk_ids == i, y_max, blk_max)
+        m_new = tl.maximum(m, y_max)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # keeps -inf - -inf (NaN) out while all is -inf
+        acc = acc * tl.exp(m - shift) + tl.exp(y - shift)
+        m = m_new
+        if MODE == _GREEDY:
+            tok, best = _argmax_update(x, offs, y_max, tok, best)
+        else:
+            z_max = y_max
+            if MODE == _RAW:
+                z_max = tl.math.div_rn(y_max, t)  # division by T > 0 rounds monotonically
+            if z_max + _RACE_BOUND >= best:
+                z = y
+                if MODE == _RAW:
+                    z = tl.math.div_rn(x, t)
+                score = z - _log(-_log(_uniform(offs, key, key2)))
+                tok, best = _argmax_update(score, offs, tl.max(score, axis=0), tok, best)
+    return tok, m, _log(tl.sum(acc, axis=0)), blk_max
+
+
+@triton.jit
+def _rank(row_ptr, t, m, lse, lp_tok, blk_max, V: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
+          NB: tl.constexpr):
+    """Loop 2: 1 + number of entries whose logprob (y - m) - lse is strictly above ``lp_tok``. That expression
+    rounds monotonically in y, so a block whose max is not above the token holds no such entry: skip it."""
+    offs0 = tl.arange(0, BLOCK)
+    blk_ids = tl.arange(0, NB)
+    count = tl.zeros([BLOCK], tl.int32)
+    for i in range(0, tl.cdiv(V, BLOCK)):
+        y_max = tl.max(tl.where(blk_ids == i, blk_max, float("-inf")), axis=0)
+        if (y_max - m) - lse > lp_tok:
+            offs = i * BLOCK + offs0
+            y = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            if MODE == _PROCESSED:
+                y = tl.math.div_rn(y, t)
+            count += (((y - m) - lse) > lp_tok).to(tl.int32)
+    return 1 + tl.sum(count, axis=0)
+
+
+@triton.jit
+def _sample_row(row_ptr, t, key, key2, ids_ptr, lp_ptr, rank_ptr,
+                V: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """Token, logprob and rank of one row in mode ``MODE``, stored at ``ids_ptr`` / ``lp_ptr`` / ``rank_ptr``."""
+    tok, m, lse, blk_max = _scan(row_ptr, t, key, key2, V, MODE, BLOCK, NB)
+    y_tok = tl.load(row_ptr + tok).to(tl.float32)
+    if MODE == _PROCESSED:
+        y_tok = tl.math.div_rn(y_tok, t)
+    lp_tok = (y_tok - m) - lse  # the same expression (and rounding) as log_softmax
+    rank = 1
+    if MODE != _GREEDY:
+        rank = _rank(row_ptr, t, m, lse, lp_tok, blk_max, V, MODE, BLOCK, NB)
+    tl.store(ids_ptr, tok)
+    tl.store(lp_ptr, lp_tok)
+    tl.store(rank_ptr, rank)
+
+
+@triton.jit
+def _fused_sample_kernel(logits_ptr, stride, temp_ptr, seed_ptr, pos_ptr, greedy_ptr, processed_ptr,
+                         ids_ptr, lp_ptr, rank_ptr, V: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """One program per row; the row's mode (greedy / raw / processed) picks a specialized body."""
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+    t = tl.load(temp_ptr + row).to(tl.float32)
+    key, key2 = _row_keys(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
+    ids_ptr += row
+    lp_ptr += row
+    rank_ptr += row
+    if tl.load(greedy_ptr + row):
+        _sample_row(row_ptr, t, key, key2, ids_ptr, lp_ptr, rank_ptr, V, _GREEDY, BLOCK, NB)
+    elif tl.load(processed_ptr + row):
+        _sample_row(row_ptr, t, key, key2, ids_ptr, lp_ptr, rank_ptr, V, _PROCESSED, BLOCK, NB)
+    else:
+        _sample_row(row_ptr, t, key, key2, ids_ptr, lp_ptr, rank_ptr, V, _RAW, BLOCK, NB)
+
+
+def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                 is_greedy: torch.Tensor, use_processed: torch.Tensor, *,
+                 block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (next_token_ids int64 [B], logprobs float32 [B], ranks int64 [B])
+
+    ``Sampler.forward`` for a batch on the fast path (no penalties, top-k, top-p, min-p or top logprobs), in
+    one kernel launch and without host syncs. ``logits`` [B, V] any float dtype (computed in float32, last
+    dim contiguous); per-row [B] tensors on the same device: ``temperatures`` float32 (ignored on greedy
+    rows), ``seeds`` int64 (seed mod 2**64 as two's complement), ``positions`` int64 (output_len),
+    ``is_greedy`` bool, ``use_processed`` bool (logprobs_mode == "processed").
+
+    Greedy rows: token = argmax(logits), lowest index on ties; logprob in the raw distribution; rank 1.
+    Random rows: token = argmax(logits / T - log(-log(U))) with U = ``uniform_noise(seeds, positions, V)``;
+    logprob and rank in the raw distribution log_softmax(logits), or in log_softmax(logits / T) when
+    ``use_processed``; rank = 1 + number of entries strictly above the token's. ``block_size`` (a power of
+    two) overrides the tile each program loops over, for tests and tuning.
+    """
+    B, V = logits.shape
+    device = logits.device
+    ids = torch.empty(B, dtype=torch.int64, device=device)
+    logprobs = torch.empty(B, dtype=torch.float32, device=device)
+    ranks = torch.empty(B, dtype=torch.int64, device=device)
+    if B == 0:
+        return ids, logprobs, ranks
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    block = block_size or min(_BLOCK, triton.next_power_of_2(V))
+    _fused_sample_kernel[(B,)](
+        logits, logits.stride(0), temperatures.contiguous(), seeds.contiguous(), positions.contiguous(),
+        is_greedy.contiguous(), use_processed.contiguous(), ids, logprobs, ranks,
+        V=V, BLOCK=block, NB=triton.next_power_of_2(triton.cdiv(V, block)), num_warps=8 if block >= 2048 else 4)
+    return ids, logprobs, ranks
+
+
+# ------------------------------------------------------------------------------------------ test helpers
+
+
+@triton.jit
+def _noise_kernel(seed_ptr, pos_ptr, u_ptr, e_ptr, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    key, key2 = _row_keys(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
+    u = _uniform(offs, key, key2)
+    tl.store(u_ptr + row * V + offs, u, mask=offs < V)
+    tl.store(e_ptr + row * V + offs, -_log(u), mask=offs < V)
+
+
+def _noise_for_test(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int,
+                    block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U, E) [B, V] float32 as the kernel computes them: U = uniform_noise(...) and E = -log(U)."""
+    B = seeds.shape[0]
+    u = torch.empty(B, vocab_size, dtype=torch.float32, device=seeds.device)
+    e = torch.empty_like(u)
+    _noise_kernel[(B, triton.cdiv(vocab_size, block))](seeds, positions, u, e, vocab_size, BLOCK=block)
+    return u, e
+
+
+@triton.jit
+def _log_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, _log(tl.load(x_ptr + offs, mask=offs < n, other=1.0)), mask=offs < n)
+
+
+def _log_for_test(x: torch.Tensor, block: int = 8192) -> torch.Tensor:
+    """The kernel's float32 natural log of a positive 1-D float32 tensor."""
+    out = torch.empty_like(x)
+    _log_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), BLOCK=block)
+    return out

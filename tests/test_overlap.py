@@ -1,0 +1,115 @@
+"""Overlap scheduling: decode step N+1 is launched before step N's tokens reach the host, and the outputs
+are exactly those of the engine without overlap and of transformers."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import prompts_of_lengths
+from rollout import Engine, SamplingParams
+from rollout.config import EngineConfig, ModelConfig
+from rollout.distributed import TPGroup
+from rollout.io_struct import GenerateReq
+from rollout.scheduler.scheduler import Scheduler
+
+
+@pytest.fixture(scope="module")
+def path(tiny_dir):
+    return tiny_dir("llama")
+
+
+def _mixed_params(stop_token: int) -> list[SamplingParams]:
+    """Requests that end at different steps and for different reasons, some sampling, some penalized."""
+    return [
+        SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_new_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=[stop_token], logprobs=2),
+        SamplingParams(temperature=0.9, seed=5, max_new_tokens=13, ignore_eos=True, logprobs=0),
+        SamplingParams(temperature=0.7, seed=6, max_new_tokens=16, min_new_tokens=10, stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0.0, max_new_tokens=12, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=7, max_new_tokens=9, frequency_penalty=0.5, presence_penalty=0.3,
+                       ignore_eos=True, logprobs=0, logprobs_mode="processed"),
+        SamplingParams(temperature=0.0, max_new_tokens=25),
+    ]
+
+
+def _run(path: str, overlap: bool, prompts, params, **options):
+    with Engine(path, dtype="float32", device="cpu", disable_overlap_schedule=not overlap, **options) as engine:
+        outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        stats = engine.get_step_stats()
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].token_logprobs,
+             o.outputs[0].logprobs) for o in outs], stats
+
+
+def test_overlap_equals_no_overlap_and_transformers(path, hf_reference):
+    prompts = prompts_of_lengths([5, 9, 3, 12, 7, 4, 8, 6], seed=41)
+    hf = hf_reference(path)
+    stop_token = hf.greedy(prompts[2], 20)[4]  # request 2 stops on its fifth token
+    params = _mixed_params(stop_token)
+    with_overlap, stats = _run(path, True, prompts, params)
+    without, _ = _run(path, False, prompts, params)
+    assert with_overlap == without
+    assert with_overlap[2][1] == "stop" and len(with_overlap[2][0]) <= 5
+    for i in (0, 1, 2, 7):
+        expected = hf.greedy(prompts[i], params[i].max_new_tokens)
+        n = len(with_overlap[i][0])
+        assert with_overlap[i][0] == expected[:n]
+    assert [len(o[0]) for o in with_overlap][:2] == [1, 7]
+    assert sum(v["steps"] for v in stats["decode"].values()) >= 20
+
+
+def test_overlap_under_kv_pressure_retracts_and_stays_exact(path, hf_reference):
+    prompts = prompts_of_lengths([20, 24, 18, 22, 19, 21], seed=43)
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    outs, _ = _run(path, True, prompts, params, max_total_tokens=96)
+    hf = hf_reference(path)
+    for prompt, (ids, reason, _, _) in zip(prompts, outs):
+        assert ids == hf.greedy(prompt, 24) and reason == "length"
+
+
+def _scheduler(path: str, overlap: bool) -> Scheduler:
+    config = EngineConfig(path, dtype="float32", device="cpu", skip_tokenizer_init=True,
+                          disable_overlap_schedule=not overlap)
+    return Scheduler(config, ModelConfig.from_path(path), TPGroup(), torch.device("cpu"))
+
+
+def _launch_order(path: str, overlap: bool, prompts: list[list[int]], max_new: int) -> tuple[list[str], Scheduler]:
+    """Drive a scheduler in this process; log every launch and every result read, in order."""
+    sched = _scheduler(path, overlap)
+    events: list[str] = []
+    launch, process = sched.launch, sched.process_results
+
+    def logged_launch(reqs, inputs, sampled):
+        events.append(f"launch {inputs.mode.value}")
+        return launch(reqs, inputs, sampled)
+
+    def logged_process(step):
+        events.append(f"read {step.inputs.mode.value}")
+        return process(step)
+
+    sched.launch, sched.process_results = logged_launch, logged_process
+    ids = itertools.count()
+    for p in prompts:
+        sched.handle(GenerateReq(f"r{next(ids)}", p, SamplingParams(temperature=0.0, max_new_tokens=max_new,
+                                                                  ignore_eos=True), seed=0))
+    while sched.busy:
+        sched.step()
+    return events, sched
+
+
+def test_decode_step_is_launched_before_the_previous_one_is_read(path):
+    prompts = prompts_of_lengths([6, 9], seed=44)
+    events, sched = _launch_order(path, True, prompts, 5)
+    # one prefill (read at once), then each decode is read only after the next one was launched;
+    # the last decode step is launched without the requests the previous step ends by length
+    assert events[:2] == ["launch extend", "read extend"]
+    decode = events[2:]
+    assert decode[:3] == ["launch decode", "launch decode", "read decode"]
+    assert decode.count("launch decode") == decode.count("read decode") == 4
+    assert sched.in_flight is None and not sched.running and sched.allocator.available + \
+        sched.tree.total_size == sched.allocator.num_slots
+    plain, _ = _launch_order(path, False, prompts, 5)  # without overlap: launch, read, launch, read, ...
+    assert all(e.startswith("launch") for e in plain[::2]) and all(e.startswith("read") for e in plain[1::2])

@@ -1,0 +1,128 @@
+"""Tests for rollout.layers.triton_rope (fused RoPE + KV-pool write) against RotaryEmbedding in torch.
+
+Without a CUDA device the kernel runs under Triton's CPU interpreter; TRITON_INTERPRET must be set
+before triton (and the module with its @triton.jit kernels) is imported.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import triton  # noqa: E402,F401  (imported after TRITON_INTERPRET is set, on purpose)
+
+from rollout.distributed import TPGroup  # noqa: E402
+from rollout.layers.linear import QKVParallelLinear  # noqa: E402
+from rollout.layers.rotary import RotaryEmbedding  # noqa: E402
+from rollout.layers.triton_rope import rope_and_store_kv  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MAX_POSITIONS = 4096
+NUM_SLOTS = 96
+SENTINEL = -3.5
+SHAPES = [(4, 2), (8, 8), (3, 1)]
+
+
+def make_rotary(head_dim: int, dtype: torch.dtype) -> RotaryEmbedding:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    return RotaryEmbedding(head_dim, MAX_POSITIONS, inv_freq, 1.0, dtype, DEVICE)
+
+
+def fused_qkv_views(t: int, hq: int, hk: int, d: int, dtype: torch.dtype, gen: torch.Generator):
+    """q [t, hq, d], k/v [t, hk, d] as strided views of one fused qkv output, as LlamaAttention makes them."""
+    proj = QKVParallelLinear(8, d, hq, hk, False, TPGroup(), dtype, DEVICE)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype=dtype, device=DEVICE)
+    q, k, v = proj.split(qkv)
+    return q.reshape(t, hq, d), k.reshape(t, hk, d), v.reshape(t, hk, d)
+
+
+def reference(rotary: RotaryEmbedding, positions, q, k, dtype):
+    """RotaryEmbedding.forward on float32 copies of the model-dtype inputs and caches, cast back once."""
+    rotary32 = copy.deepcopy(rotary).float()
+    q_ref, k_ref = rotary32(positions, q.float(), k.float())
+    return q_ref.to(dtype), k_ref.to(dtype)
+
+
+def make_case(t: int, hq: int, hk: int, d: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = fused_qkv_views(t, hq, hk, d, dtype, gen)
+    positions = torch.randint(0, MAX_POSITIONS, (t,), generator=gen).to(DEVICE)
+    loc = (torch.randperm(NUM_SLOTS, generator=gen)[:t] + 1).to(DEVICE)
+    k_buf = torch.full((NUM_SLOTS + 1, hk, d), SENTINEL, dtype=dtype, device=DEVICE)
+    v_buf = torch.full_like(k_buf, SENTINEL)
+    return q, k, v, positions, loc, k_buf, v_buf
+
+
+def tolerances(dtype: torch.dtype) -> dict:
+    # bf16: both sides round one float32 result once; the GPU rounds to nearest even like torch, but
+    # Triton's interpreter truncates fp32 -> bf16, so allow 1 ulp
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("hq,hk", SHAPES)
+def test_matches_rotary_embedding(dtype, head_dim, hq, hk):
+    t = 37
+    rotary = make_rotary(head_dim, dtype)
+    q, k, v, positions, loc, k_buf, v_buf = make_case(t, hq, hk, head_dim, dtype, seed=hq * 100 + head_dim)
+    assert not q.is_contiguous() and q.storage_offset() == 0 and k.storage_offset() == hq * head_dim
+    q_out = rope_and_store_kv(q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_buf, v_buf, loc)
+    q_ref, k_ref = reference(rotary, positions, q, k, dtype)
+    assert q_out.shape == q.shape and q_out.dtype == dtype and q_out.is_contiguous()
+    torch.testing.assert_close(q_out, q_ref, **tolerances(dtype))
+    torch.testing.assert_close(k_buf[loc], k_ref, **tolerances(dtype))
+    torch.testing.assert_close(v_buf[loc], v, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("t,hq,hk,head_dim", [(1, 32, 8, 128), (3, 40, 20, 128), (2, 72, 36, 64)])
+def test_many_heads_span_several_programs(t, hq, hk, head_dim):
+    """Head counts above one program's tile (partial last q and k blocks), down to a single token."""
+    dtype = torch.bfloat16
+    rotary = make_rotary(head_dim, dtype)
+    q, k, v, positions, loc, k_buf, v_buf = make_case(t, hq, hk, head_dim, dtype, seed=hq + t)
+    q_out = rope_and_store_kv(q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_buf, v_buf, loc)
+    q_ref, k_ref = reference(rotary, positions, q, k, dtype)
+    torch.testing.assert_close(q_out, q_ref, **tolerances(dtype))
+    torch.testing.assert_close(k_buf[loc], k_ref, **tolerances(dtype))
+    torch.testing.assert_close(v_buf[loc], v, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_other_kv_rows_untouched(dtype):
+    hq, hk, d, t = 4, 2, 64, 20
+    rotary = make_rotary(d, dtype)
+    q, k, v, positions, loc, k_buf, v_buf = make_case(t, hq, hk, d, dtype, seed=7)
+    rope_and_store_kv(q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_buf, v_buf, loc)
+    untouched = torch.ones(NUM_SLOTS + 1, dtype=torch.bool, device=DEVICE)
+    untouched[loc] = False
+    assert (k_buf[untouched] == SENTINEL).all() and (v_buf[untouched] == SENTINEL).all()
+    assert not (k_buf[loc] == SENTINEL).all()
+
+
+def test_writes_given_q_out_in_place():
+    hq, hk, d, t, dtype = 8, 8, 128, 5, torch.bfloat16
+    rotary = make_rotary(d, dtype)
+    q, k, v, positions, loc, k_buf, v_buf = make_case(t, hq, hk, d, dtype, seed=11)
+    q_out = torch.full((t, hq, d), SENTINEL, dtype=dtype, device=DEVICE)
+    returned = rope_and_store_kv(q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_buf, v_buf, loc,
+                                 q_out=q_out)
+    assert returned is q_out
+    torch.testing.assert_close(q_out, reference(rotary, positions, q, k, dtype)[0], **tolerances(dtype))
+
+
+def test_close_to_torch_bf16_path():
+    """Against the production path (RotaryEmbedding in bf16, rounding each intermediate): a few bf16 ulps."""
+    hq, hk, d, t, dtype = 4, 2, 128, 24, torch.bfloat16
+    rotary = make_rotary(d, dtype)
+    q, k, v, positions, loc, k_buf, v_buf = make_case(t, hq, hk, d, dtype, seed=3)
+    q_out = rope_and_store_kv(q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_buf, v_buf, loc)
+    q_torch, k_torch = rotary(positions, q, k)
+    torch.testing.assert_close(q_out, q_torch, atol=4e-2, rtol=2e-2)
+    torch.testing.assert_close(k_buf[loc], k_torch, atol=4e-2, rtol=2e-2)

@@ -1,0 +1,212 @@
+"""Tests for rollout.layers.triton_sampling (fused fast-path sampler) against the torch Sampler.
+
+Without a CUDA device the kernel runs under Triton's CPU interpreter; TRITON_INTERPRET must be set
+before triton (and the module with its @triton.jit kernels) is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import triton  # noqa: E402,F401  (imported after TRITON_INTERPRET is set, on purpose)
+
+from rollout.layers import triton_sampling  # noqa: E402
+from rollout.layers.sampler import Sampler, SamplingBatchInfo, SamplingRow, _to_int64, uniform_noise  # noqa: E402
+from rollout.sampling_params import SamplingParams  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NEG_INF = float("-inf")
+TEMPERATURES = [0.0, 0.3, 0.7, 1.0, 1.5]
+SEEDS = [2**70 + 3, -5, 2**64 - 1, 0, 123456789012345678901234, -(2**40)]
+POSITIONS = [0, 5, 2**33 + 1, 123, 7]
+
+
+def row(seed=0, output_len=0, **params) -> SamplingRow:
+    return SamplingRow(params=SamplingParams(**params), seed=seed, output_len=output_len,
+                       prompt_token_ids=[], output_token_ids=[], eos_token_ids=[])
+
+
+def mixed_rows(n: int, salt: int = 0) -> list[SamplingRow]:
+    """Greedy and random rows over several temperatures, both logprob modes, odd seeds and positions."""
+    return [row(seed=SEEDS[(i + salt) % len(SEEDS)] + salt, output_len=POSITIONS[i % len(POSITIONS)] + salt,
+                temperature=TEMPERATURES[i % len(TEMPERATURES)],
+                logprobs_mode=["raw", "processed"][(i // len(TEMPERATURES)) % 2]) for i in range(n)]
+
+
+def randn(*shape, seed=0, scale=3.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(DEVICE)
+
+
+def build(rows, vocab_size: int) -> SamplingBatchInfo:
+    info = SamplingBatchInfo.build(rows, vocab_size, DEVICE)
+    assert info.fast_path
+    return info
+
+
+def fused(logits: torch.Tensor, info: SamplingBatchInfo, block_size=None):
+    return triton_sampling.fused_sample(logits, info.temperatures, info.seeds, info.positions, info.is_greedy,
+                                        info.use_processed, block_size=block_size)
+
+
+def assert_matches_torch(logits: torch.Tensor, rows, block_size=None):
+    """Tokens and ranks equal to the torch Sampler's, logprobs within 1e-5; returns the fused outputs."""
+    info = build(rows, logits.shape[-1])
+    ref = Sampler()(logits, info)
+    ids, logprobs, ranks = fused(logits, info, block_size)
+    assert ids.dtype == torch.int64 and ranks.dtype == torch.int64 and logprobs.dtype == torch.float32
+    assert ids.shape == ranks.shape == logprobs.shape == (len(rows),)
+    assert ids.tolist() == ref.next_token_ids.tolist()
+    assert ranks.tolist() == ref.ranks.tolist()
+    torch.testing.assert_close(logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    return ids, logprobs, ranks
+
+
+# ------------------------------------------------------------------------------------------ noise
+
+
+def test_noise_is_bit_identical_to_uniform_noise():
+    seeds = torch.tensor([_to_int64(s) for s in SEEDS], dtype=torch.int64, device=DEVICE)
+    positions = torch.tensor([0, 1, 7, 2**33 + 3, 5, 2**40], dtype=torch.int64, device=DEVICE)
+    u, e = triton_sampling._noise_for_test(seeds, positions, 3001)
+    ref = uniform_noise(seeds, positions, 3001)
+    assert torch.equal(u, ref)
+    truth = -ref.double().log()
+    assert ((e.double() - truth).abs() / truth).max().item() < 1.2e-7
+
+
+def test_log_within_one_ulp_on_every_noise_value_and_on_sums():
+    """E = -log(U) for all 2**23 values U can take (relative precision matters near U = 1, where E ~ 6e-8),
+    and log over the range of the softmax sums."""
+    j = torch.arange(2**23, dtype=torch.float64)
+    u = ((2 * j + 1) * 2.0**-24).float()
+    e = -triton_sampling._log_for_test(u.to(DEVICE)).cpu().double()
+    truth = -u.double().log()
+    assert ((e - truth).abs() / truth).max().item() < 1.2e-7
+    sums = torch.logspace(0, 5.5, 100_001, dtype=torch.float64).float()
+    got = triton_sampling._log_for_test(sums.to(DEVICE)).cpu().double()
+    truth = sums.double().log()
+    nearest = truth.float()
+    ulp = (torch.nextafter(nearest, torch.tensor(float("inf"))) - nearest).double()
+    assert ((got - truth).abs() <= ulp).all()
+
+
+# ------------------------------------------------------------------------------- against the sampler
+
+
+@pytest.mark.parametrize("seed,vocab", [(0, 5000), (1, 1000), (2, 4096), (3, 2049), (4, 10)])
+def test_mixed_batch_matches_torch_sampler(seed, vocab):
+    rows = mixed_rows(16, salt=seed)
+    logits = randn(16, vocab, seed=seed)
+    ids, _, ranks = assert_matches_torch(logits, rows)
+    assert (ranks[[r.params.temperature > 0 for r in rows]] > 1).any()  # ranks are not trivially 1
+    assert all(ranks[i] == 1 for i, r in enumerate(rows) if r.params.temperature == 0)
+
+
+def test_all_greedy_and_all_random_batches():
+    logits = randn(8, 3000, seed=4)
+    assert_matches_torch(logits, [row(temperature=0.0, logprobs_mode="processed")] * 8)
+    assert_matches_torch(logits, [row(seed=s, output_len=s, temperature=0.8) for s in range(8)])
+    assert_matches_torch(logits, [row(seed=s, temperature=1.2, logprobs_mode="processed") for s in range(8)])
+
+
+def test_neg_inf_entries_and_partial_last_block():
+    V = 1000 + 37  # with block_size=256: 5 blocks, the last one partial
+    logits = randn(10, V, seed=5)
+    logits[0, ::2] = NEG_INF                    # half the vocab banned
+    logits[1, :] = NEG_INF
+    logits[1, [17, V - 1]] = torch.tensor([0.5, 2.0], device=DEVICE)  # two finite tokens, one in the tail
+    logits[2, : V - 5] = NEG_INF                # only the tail block is finite
+    logits[3, 300:] = NEG_INF
+    rows = mixed_rows(10, salt=5)
+    rows[1] = row(seed=9, temperature=1.0, logprobs_mode="processed")
+    rows[2] = row(seed=11, temperature=0.7)
+    for block_size in (None, 256):
+        ids, _, _ = assert_matches_torch(logits, rows, block_size)
+        assert ids[1].item() in (17, V - 1) and ids[2].item() >= V - 5 and ids[3].item() < 300
+        assert logits[0, ids[0]].item() > NEG_INF
+
+
+def test_greedy_ties_pick_lowest_index_across_blocks():
+    logits = torch.zeros(3, 1000, device=DEVICE)
+    logits[0, [700, 300, 900]] = 5.0   # ties in different blocks of 256
+    logits[1, [10, 11]] = 2.0          # ties in one block
+    ids, logprobs, ranks = assert_matches_torch(logits, [row(temperature=0.0)] * 3, block_size=256)
+    assert ids.tolist() == [300, 10, 0] and ranks.tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits(dtype):
+    logits = randn(12, 3001, seed=6).to(dtype)
+    assert_matches_torch(logits, mixed_rows(12, salt=6))
+
+
+def test_strided_logits_rows():
+    wide = randn(6, 2100, seed=7)
+    assert_matches_torch(wide[:, :2000], mixed_rows(6, salt=7))
+
+
+def test_peaked_logits_skip_blocks_and_keep_results():
+    """Peaked rows (as from a trained model): most blocks are skipped by both loops; results must not move."""
+    V, B = 6000, 10
+    logits = randn(B, V, seed=8, scale=1.0)
+    hot = torch.tensor([5, 100, 2500, 5999, 4000, 3, 1234, 4096, 50, 2047], device=DEVICE)
+    logits[torch.arange(B), hot] += 30.0
+    logits[torch.arange(B), (hot + 1500) % V] += 29.0   # a far-away runner-up
+    rows = mixed_rows(B, salt=8)
+    small = assert_matches_torch(logits, rows, block_size=256)
+    default = assert_matches_torch(logits, rows)
+    assert all(torch.equal(a, b) for a, b in zip(small[::2], default[::2]))
+
+
+def test_sample_depends_only_on_own_row():
+    V = 2500
+    target = randn(1, V, seed=9)
+    r = row(seed=2**65 + 17, output_len=41, temperature=0.9, logprobs_mode="processed")
+    alone = fused(target, build([r], V))
+    batch = torch.cat([randn(3, V, seed=10), target])
+    together = fused(batch, build(mixed_rows(3) + [r], V))
+    assert [t[0].item() for t in alone] == [t[3].item() for t in together]
+
+
+# ---------------------------------------------------------------------------------------- dispatch
+
+
+def test_fast_path_flag():
+    V = 50
+    assert SamplingBatchInfo.build(mixed_rows(6), V, DEVICE).fast_path
+    for params in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(logprobs=2), dict(presence_penalty=0.5),
+                   dict(repetition_penalty=1.2)):
+        rows = mixed_rows(3) + [SamplingRow(params=SamplingParams(**params), seed=1, output_len=1,
+                                            prompt_token_ids=[1], output_token_ids=[2], eos_token_ids=[])]
+        assert not SamplingBatchInfo.build(rows, V, DEVICE).fast_path, params
+
+
+def test_sampler_fused_dispatch():
+    V = 3000
+    logits = randn(8, V, seed=11)
+    sampler, reference = Sampler(fused=True), Sampler()
+    assert Sampler().fused is False
+
+    fast = build(mixed_rows(8, salt=11), V)
+    out, ref = sampler(logits, fast), reference(logits, fast)
+    assert sampler.fused_steps == 1
+    assert out.top_logprob_ids is None and out.top_logprobs is None
+    assert torch.equal(out.next_token_ids, ref.next_token_ids) and torch.equal(out.ranks, ref.ranks)
+    torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    direct = fused(logits, fast)
+    assert all(torch.equal(a, b) for a, b in zip((out.next_token_ids, out.logprobs, out.ranks), direct))
+
+    for extra in (dict(top_k=20), dict(logprobs=3), dict(frequency_penalty=0.5)):
+        rows = [row(seed=i, temperature=0.8, **extra) for i in range(8)]
+        info = SamplingBatchInfo.build(rows, V, DEVICE)
+        out, ref = sampler(logits, info), reference(logits, info)
+        assert sampler.fused_steps == 1, extra  # not on the fast path: the torch path ran, bit for bit
+        for a, b in zip((out.next_token_ids, out.logprobs, out.ranks), (ref.next_token_ids, ref.logprobs, ref.ranks)):
+            assert torch.equal(a, b)
