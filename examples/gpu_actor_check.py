@@ -1,10 +1,11 @@
 """GPU check of the engine actor's weight paths, without Ray (the 2xH200 machine has none).
 
-*** Written on a CPU-only machine; the GPU parts have NOT been run yet. *** Run on 2 GPUs with
+Run on 2 GPUs with
 
     python examples/gpu_actor_check.py --out docs/results/<date>-h200x2-gpu-actor-check.json
 
-and record the printed summary in docs/trainer_adapters.md. ``--device cpu`` runs part A over gloo on
+(or ``bash gpu_checks/run_gpu.sh actor``) and record the printed summary in docs/trainer_adapters.md, where
+the 2xH200 results of 2026-11-22 are. ``--device cpu`` runs part A over gloo on
 CPU (that is how this script was tested; part B needs CUDA and is skipped there).
 
 The ``EngineActor`` methods are called directly, through ``LocalActor`` (one ordered worker thread per
