@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.device_copy import to_device
 from rollout.sampling_params import SamplingParams
 
 __all__ = ["SamplingRow", "SamplingBatchInfo", "SamplerOutput", "Sampler", "uniform_noise"]
@@ -133,12 +134,12 @@ class SamplingBatchInfo:
         k = max((p.logprobs or 0) for p in ps)
 
         # every per-row value travels in two host tensors and two copies (not one transfer per field)
-        floats = _to_device(torch.tensor([
+        floats = to_device(torch.tensor([
             [1.0 if g else float(p.temperature) for p, g in zip(ps, greedy)], top_ps, min_ps,
             [float(p.repetition_penalty) for p in ps], [float(p.frequency_penalty) for p in ps],
             [float(p.presence_penalty) for p in ps], [float(g) for g in greedy], [float(x) for x in processed],
         ], dtype=torch.float32), device)
-        ints = _to_device(torch.tensor([top_ks, [_to_int64(r.seed) for r in rows], [int(r.output_len) for r in rows]],
+        ints = to_device(torch.tensor([top_ks, [_to_int64(r.seed) for r in rows], [int(r.output_len) for r in rows]],
                                        dtype=torch.int64), device)
         ban_rows, ban_cols = _min_tokens_bans(rows, vocab_size, device)
         return cls(
@@ -171,13 +172,6 @@ class SamplingBatchInfo:
 # ----------------------------------------------------------------------------------------------- build
 
 
-def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Copy a host tensor to ``device`` without blocking the host (through pinned memory on CUDA)."""
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 def _to_int64(seed: int) -> int:
     """Reduce any Python int mod 2**64 and reinterpret as a signed int64."""
     s = int(seed) & 0xFFFFFFFFFFFFFFFF
@@ -188,10 +182,9 @@ def _index_pairs(per_row: list[list[int]], vocab_size: int, device) -> tuple[tor
     """Flatten per-row token lists to (row, col) int64 index tensors, dropping ids outside [0, V)."""
     rows = [i for i, ids in enumerate(per_row) for _ in range(len(ids))]
     cols = [t for ids in per_row for t in ids]
-    r = torch.tensor(rows, dtype=torch.int64, device=device)
-    c = torch.tensor(cols, dtype=torch.int64, device=device)
-    keep = (c >= 0) & (c < vocab_size)
-    return r[keep], c[keep]
+    pairs = torch.tensor([rows, cols], dtype=torch.int64)
+    pairs = to_device(pairs[:, (pairs[1] >= 0) & (pairs[1] < vocab_size)], device)  # filtered on the host
+    return pairs[0], pairs[1]
 
 
 def _seen_mask(rows: list[SamplingRow], vocab_size: int, device) -> torch.Tensor | None:
