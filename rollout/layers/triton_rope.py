@@ -16,14 +16,24 @@ _NUM_WARPS = 4
 
 
 @triton.jit
-def _rope_tile(src, src_stride_h, dst, dst_stride_h, cos_row, sin_row, head0, n_heads,
+def _head_tile(src, src_stride_h, dst, dst_stride_h, head0, n_heads,
                HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """dst[h] = src[h] * cos + rotate_half(src[h]) * sin for heads [head0, head0 + BLOCK_H) ∩ [0, n_heads)."""
+    """Pointers to the first halves of heads [head0, head0 + BLOCK_H) in src and dst, the column
+    offsets, and the mask of real (head < n_heads, column < HALF) entries."""
     heads = head0 + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
     mask = (heads[:, None] < n_heads) & (cols[None, :] < HALF)
     src_lo = src + heads[:, None] * src_stride_h + cols[None, :]
     dst_lo = dst + heads[:, None] * dst_stride_h + cols[None, :]
+    return src_lo, dst_lo, cols, mask
+
+
+@triton.jit
+def _rope_tile(src, src_stride_h, dst, dst_stride_h, cos_row, sin_row, head0, n_heads,
+               HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """dst[h] = src[h] * cos + rotate_half(src[h]) * sin for heads [head0, head0 + BLOCK_H) ∩ [0, n_heads)."""
+    src_lo, dst_lo, cols, mask = _head_tile(src, src_stride_h, dst, dst_stride_h, head0, n_heads,
+                                            HALF, BLOCK_H, BLOCK_HALF)
     x1 = tl.load(src_lo, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_lo + HALF, mask=mask, other=0.0).to(tl.float32)
     col_mask = cols < HALF
@@ -41,11 +51,8 @@ def _rope_tile(src, src_stride_h, dst, dst_stride_h, cos_row, sin_row, head0, n_
 def _copy_tile(src, src_stride_h, dst, dst_stride_h, head0, n_heads,
                HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """dst[h] = src[h] for heads [head0, head0 + BLOCK_H) ∩ [0, n_heads), as two half-rows."""
-    heads = head0 + tl.arange(0, BLOCK_H)
-    cols = tl.arange(0, BLOCK_HALF)
-    mask = (heads[:, None] < n_heads) & (cols[None, :] < HALF)
-    src_lo = src + heads[:, None] * src_stride_h + cols[None, :]
-    dst_lo = dst + heads[:, None] * dst_stride_h + cols[None, :]
+    src_lo, dst_lo, cols, mask = _head_tile(src, src_stride_h, dst, dst_stride_h, head0, n_heads,
+                                            HALF, BLOCK_H, BLOCK_HALF)
     out_ty = dst.dtype.element_ty
     tl.store(dst_lo, tl.load(src_lo, mask=mask).to(out_ty), mask=mask)
     tl.store(dst_lo + HALF, tl.load(src_lo + HALF, mask=mask).to(out_ty), mask=mask)
