@@ -37,7 +37,6 @@ class LaunchedStep:
     """A step whose forward and sampling were queued on the device; its results are read later."""
 
     inputs: StepInput
-    reqs: list[Req]
     sampled: list[Req]          # the requests that get a token from this step
     output: StepOutput | None
     launched_at: float
@@ -211,14 +210,15 @@ class Scheduler(WeightUpdateMixin):
 
     def launch(self, reqs: list[Req], inputs: StepInput, sampled: list[Req]) -> LaunchedStep:
         """Queue the forward of ``inputs`` and sampling for ``sampled`` (a subset of ``reqs``, in order)."""
-        index = [i for i, r in enumerate(reqs) if r in sampled] if len(sampled) < len(reqs) else list(range(len(reqs)))
+        chosen = {id(r) for r in sampled}
+        index = [i for i, r in enumerate(reqs) if id(r) in chosen]
         rows = [self._sampling_row(r) for r in sampled]
         for req, n in zip(reqs, inputs.extend_lens):
             req.kv_len += n
         for req in sampled:
             req.pending += 1
         start = time.perf_counter()
-        return LaunchedStep(inputs, reqs, sampled, self.runner.run_step(inputs, index, rows), start)
+        return LaunchedStep(inputs, sampled, self.runner.run_step(inputs, index, rows), start)
 
     # ---- prefill ------------------------------------------------------------------------------
 
