@@ -37,11 +37,23 @@ def _mixed_params(stop_token: int) -> list[SamplingParams]:
 
 
 def _run(path: str, overlap: bool, prompts, params, **options):
+    """(token ids, finish reason, sampled-token logprobs, {token: logprob} per position) per request."""
     with Engine(path, dtype="float32", device="cpu", disable_overlap_schedule=not overlap, **options) as engine:
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         stats = engine.get_step_stats()
     return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].token_logprobs,
-             o.outputs[0].logprobs) for o in outs], stats
+             [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs or []]) for o in outs], stats
+
+
+def _assert_same(a, b) -> None:
+    """Same tokens, finish reasons and logprob keys; logprob values within float noise (the rows a CPU
+    matmul computes can differ in the last bits with the batch's size, which the request timing sets)."""
+    for (ids_a, why_a, lp_a, top_a), (ids_b, why_b, lp_b, top_b) in zip(a, b, strict=True):
+        assert (ids_a, why_a) == (ids_b, why_b)
+        assert (lp_a is None) == (lp_b is None) and (lp_a or []) == pytest.approx(lp_b or [], abs=1e-5)
+        assert [list(d) for d in top_a] == [list(d) for d in top_b]
+        assert [v for d in top_a for v in d.values()] == pytest.approx([v for d in top_b for v in d.values()],
+                                                                       abs=1e-5)
 
 
 def test_overlap_equals_no_overlap_and_transformers(path, hf_reference):
@@ -51,7 +63,7 @@ def test_overlap_equals_no_overlap_and_transformers(path, hf_reference):
     params = _mixed_params(stop_token)
     with_overlap, stats = _run(path, True, prompts, params)
     without, _ = _run(path, False, prompts, params)
-    assert with_overlap == without
+    _assert_same(with_overlap, without)
     assert with_overlap[2][1] == "stop" and len(with_overlap[2][0]) <= 5
     for i in (0, 1, 2, 7):
         expected = hf.greedy(prompts[i], params[i].max_new_tokens)
