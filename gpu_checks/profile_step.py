@@ -72,12 +72,12 @@ def main() -> None:
         buf[:b * per_row + 1].normal_()
     runner.last_token_ids.random_(3, cfg.vocab_size - 1)
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, logprobs=0)
-    rows = [SamplingRow(params, seed=i, output_len=0, prompt_token_ids=[], output_token_ids=[], eos_token_ids=[])
-            for i in range(b)]
+    info = runner.sampling_info([SamplingRow(params, seed=i, output_len=0, prompt_token_ids=[], output_token_ids=[],
+                                             eos_token_ids=[]) for i in range(b)])
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
     def one(step: int) -> None:
-        runner.run_step(decode_input(runner, b, ctx, step), list(range(b)), rows).wait()
+        runner.run_step(decode_input(runner, b, ctx, step), list(range(b)), info).wait()
 
     for s in range(5):
         one(s)

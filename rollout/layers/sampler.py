@@ -12,6 +12,7 @@ in, its position in that batch, or any global RNG state.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +114,16 @@ class SamplingBatchInfo:
     def has_penalties(self) -> bool:
         """True when logits must be modified before sampling (penalties or min_new_tokens bans)."""
         return self.seen_mask is not None or self.output_counts is not None or self.ban_rows is not None
+
+    @property
+    def reusable(self) -> bool:
+        """The next decode step of the same rows can reuse this info with ``advanced()`` (nothing in it
+        depends on the tokens the rows generate next)."""
+        return not self.has_penalties
+
+    def advanced(self) -> "SamplingBatchInfo":
+        """The same rows one position later (for the next decode step; only ``positions`` change)."""
+        return dataclasses.replace(self, positions=self.positions + 1)
 
     @property
     def fast_path(self) -> bool:

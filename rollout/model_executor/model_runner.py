@@ -165,22 +165,26 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch)
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        info = SamplingBatchInfo.build(rows, logits.shape[-1], logits.device)
+    def sampling_info(self, rows: list[SamplingRow]) -> SamplingBatchInfo:
+        """The sampling tensors of ``rows`` on this rank's device."""
+        return SamplingBatchInfo.build(rows, self.model_cfg.vocab_size, self.device)
+
+    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
         out = self.sampler(logits, info)
         if self.tp.size > 1:  # every rank must continue with the same tokens
             self.tp.broadcast_tensor(out.next_token_ids)
         return out
 
-    def run_step(self, step: StepInput, sample_index: list[int], rows: list[SamplingRow]) -> StepOutput | None:
-        """Launch the forward of ``step`` and sampling of its requests ``sample_index`` (with ``rows``);
+    def run_step(self, step: StepInput, sample_index: list[int],
+                 info: SamplingBatchInfo | None) -> StepOutput | None:
+        """Launch the forward of ``step`` and sampling of its requests ``sample_index`` (with ``info``);
         returns without waiting for the GPU. The sampled tokens become the rows' ``last_token_ids``."""
         logits = self.forward(step)
         if not sample_index:
             return None
         if len(sample_index) < len(step.rows):
             logits = logits.index_select(0, list_to_device(sample_index, torch.int64, self.device))
-        out = self.sample(logits, rows)
+        out = self.sample(logits, info)
         sampled_rows = [step.rows[i] for i in sample_index]
         self.last_token_ids.index_copy_(0, list_to_device(sampled_rows, torch.int64, self.device), out.next_token_ids)
         return self._to_host(out)

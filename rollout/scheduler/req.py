@@ -17,10 +17,13 @@ class Req:
     ``pending`` tokens have been sampled by a launched step but not yet appended (overlap scheduling).
     """
 
-    def __init__(self, msg: GenerateReq, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, msg: GenerateReq, eos_token_ids: tuple[int, ...], context_len: int) -> None:
         self.rid = msg.rid
         self.prompt_ids = list(msg.input_ids)
         self.sampling: SamplingParams = msg.sampling
+        # the output length that ends the request: max_new_tokens, or the end of the context
+        self.max_output = min(self.sampling.max_new_tokens, context_len - len(self.prompt_ids))
+        self.needs_history = self.sampling.uses_token_history
         self.seed = msg.seed
         self.stream = msg.stream
         self.group = msg.group
@@ -62,14 +65,11 @@ class Req:
             if self.sampling.logprobs:
                 self.top_logprobs.append(top or [])
 
-    def ends_by_length(self, context_len: int) -> bool:
+    def ends_by_length(self) -> bool:
         """The pending tokens already end this request by length, whatever their values."""
-        if not self.pending:
-            return False
-        n = len(self.output_ids) + self.pending
-        return n >= self.sampling.max_new_tokens or self.seq_len + self.pending >= context_len
+        return self.pending > 0 and len(self.output_ids) + self.pending >= self.max_output
 
-    def check_finished(self, context_len: int, tokenizer: Any) -> None:
+    def check_finished(self, tokenizer: Any) -> None:
         """Set ``finished`` if the newest token ends the request (order: stop id, stop string, length)."""
         p = self.sampling
         last = self.output_ids[-1]
@@ -83,7 +83,7 @@ class Req:
                 if matched is not None:
                     self.finished = FinishReason("stop", matched=matched)
                     return
-        if n >= p.max_new_tokens or self.seq_len >= context_len:
+        if n >= self.max_output:
             self.finished = FinishReason("length")
 
     def _match_stop_string(self, tokenizer: Any) -> str | None:

@@ -18,7 +18,7 @@ from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
 from rollout.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq, DecodeSpec, FinishReason,
                                GenerateReq, ShutdownReq, TokenOut)
-from rollout.layers.sampler import SamplingRow
+from rollout.layers.sampler import SamplingBatchInfo, SamplingRow
 from rollout.mem_cache.radix_cache import RadixCache
 from rollout.model_executor.forward_batch import ForwardMode
 from rollout.model_executor.model_runner import ModelRunner, StepInput, StepOutput
@@ -83,6 +83,7 @@ class Scheduler(WeightUpdateMixin):
         self.overlap = not config.disable_overlap_schedule
         self.in_flight: LaunchedStep | None = None
         self._last_done = 0.0  # when the previous step's results reached the host
+        self._decode_info: tuple[tuple[str, ...], SamplingBatchInfo] | None = None  # last decode step's
 
     @property
     def context_len(self) -> int:
@@ -107,7 +108,7 @@ class Scheduler(WeightUpdateMixin):
             self.stopped = True
 
     def add_request(self, msg: GenerateReq) -> None:
-        req = Req(msg, self.model_cfg.eos_token_ids)
+        req = Req(msg, self.model_cfg.eos_token_ids, self.context_len)
         self.reqs[req.rid] = req
         if len(req.prompt_ids) + 1 > self.context_len:
             self.finish(req, FinishReason("abort", message=(
@@ -212,13 +213,26 @@ class Scheduler(WeightUpdateMixin):
         """Queue the forward of ``inputs`` and sampling for ``sampled`` (a subset of ``reqs``, in order)."""
         chosen = {id(r) for r in sampled}
         index = [i for i, r in enumerate(reqs) if id(r) in chosen]
-        rows = [self._sampling_row(r) for r in sampled]
+        info = self._sampling_info(sampled, inputs.mode) if sampled else None
         for req, n in zip(reqs, inputs.extend_lens):
             req.kv_len += n
         for req in sampled:
             req.pending += 1
         start = time.perf_counter()
-        return LaunchedStep(inputs, sampled, self.runner.run_step(inputs, index, rows), start)
+        return LaunchedStep(inputs, sampled, self.runner.run_step(inputs, index, info), start)
+
+    def _sampling_info(self, sampled: list[Req], mode: ForwardMode) -> SamplingBatchInfo:
+        """Sampling tensors for ``sampled`` (before their ``pending`` counts move). A decode step over the
+        same requests as the previous decode step reuses that step's, one position later."""
+        if mode != ForwardMode.DECODE:
+            return self.runner.sampling_info([self._sampling_row(r) for r in sampled])
+        key = tuple(r.rid for r in sampled)
+        if self._decode_info is not None and self._decode_info[0] == key:
+            info = self._decode_info[1].advanced()
+        else:
+            info = self.runner.sampling_info([self._sampling_row(r) for r in sampled])
+        self._decode_info = (key, info) if info.reusable else None
+        return info
 
     # ---- prefill ------------------------------------------------------------------------------
 
@@ -333,12 +347,12 @@ class Scheduler(WeightUpdateMixin):
 
     def _decode_candidates(self) -> list[Req]:
         """Running requests, less those that the step in flight ends by length (known without its tokens)."""
-        return [r for r in self.running if not r.ends_by_length(self.context_len)]
+        return [r for r in self.running if not r.ends_by_length()]
 
     @staticmethod
     def _needs_history(reqs: list[Req]) -> bool:
         """Some request's sampling reads its generated tokens (penalties): they must be on the host."""
-        return any(r.pending and r.sampling.uses_token_history for r in reqs)
+        return any(r.pending and r.needs_history for r in reqs)
 
     def retract(self, req: Req) -> None:
         """Give a running request's KV back and requeue it at the front; it resumes by re-prefilling."""
@@ -372,7 +386,7 @@ class Scheduler(WeightUpdateMixin):
             k = req.sampling.logprobs or 0
             top = list(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids is not None else None
             req.append_token(ids[j], lps[j], top, ranks[j])
-            req.check_finished(self.context_len, self.tokenizer if req.sampling.stop else None)
+            req.check_finished(self.tokenizer if req.sampling.stop else None)
             self.stats.gen_tokens += 1
             if req.finished is not None:
                 self.running.remove(req)
