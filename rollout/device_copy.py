@@ -22,12 +22,6 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 
 
-def host_tensor(values: Sequence[Any], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A host tensor of ``values``, in pinned memory when ``pin`` (for later non-blocking copies)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory() if pin else t
-
-
 def list_to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``torch.tensor(values)`` on ``device`` without a host wait."""
     return to_device(torch.tensor(values, dtype=dtype), device)

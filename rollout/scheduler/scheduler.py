@@ -83,7 +83,8 @@ class Scheduler(WeightUpdateMixin):
         self.overlap = not config.disable_overlap_schedule
         self.in_flight: LaunchedStep | None = None
         self._last_done = 0.0  # when the previous step's results reached the host
-        self._decode_info: tuple[tuple[str, ...], SamplingBatchInfo] | None = None  # last decode step's
+        # (request ids, sampling tensors) of the last decode step, reused by the next one over the same requests
+        self._decode_info: tuple[tuple[str, ...], SamplingBatchInfo] | None = None
 
     @property
     def context_len(self) -> int:
@@ -192,9 +193,7 @@ class Scheduler(WeightUpdateMixin):
                 launched = self.schedule_prefill()
             if launched is None and self.running:
                 launched = self.schedule_decode()
-        previous, self.in_flight = self.in_flight, None
-        if previous is not None:
-            self.process_results(previous)
+        self.sync()  # the step launched before this one
         if launched is not None:
             if self.overlap and launched.inputs.mode == ForwardMode.DECODE:
                 self.in_flight = launched
