@@ -68,13 +68,14 @@ def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab - 1, (int(k),), generator=g).tolist() for k in lens]
 
 
-def run_engine(path: str, tp: int, prompts: list[list[int]], new_tokens: int, device: str) -> EngineRun:
+def run_engine(path: str, tp: int, prompts: list[list[int]], new_tokens: int, device: str,
+               kv_cache_dtype: str = "auto") -> EngineRun:
     from rollout import Engine, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True, logprobs=TOP)
     t0 = time.time()
     with Engine(path, tp_size=tp, dtype="bfloat16", device=device, max_total_tokens=1 << 16,
-                skip_tokenizer_init=True) as engine:
+                skip_tokenizer_init=True, kv_cache_dtype=kv_cache_dtype) as engine:
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     run = EngineRun(tp, [o.outputs[0].token_ids for o in outs], [o.outputs[0].token_logprobs for o in outs],
                     [[[(t, lp.logprob) for t, lp in d.items()] for d in o.outputs[0].logprobs] for o in outs],
@@ -151,6 +152,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=2e-2)
     p.add_argument("--device", default="cuda", help="cuda (the check), or cpu for a dry run of the script")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3", "fp8_e5m2"),
+                   help="the engines' KV cache type (transformers keeps bf16 / float32 K and V)")
     p.add_argument("--fp32-reference", action=argparse.BooleanOptionalAction, default=True,
                    help="also compare transformers bf16 with transformers float32 (the scale of bf16 error)")
     args = p.parse_args()
@@ -160,12 +163,13 @@ def main() -> int:
 
     path = _model_path(args)
     prompts = _prompts(ModelConfig.from_path(path).vocab_size, args.num_seqs, args.seed)
-    runs = [run_engine(path, int(tp), prompts, args.new_tokens, args.device) for tp in args.tp_sizes.split(",")]
+    runs = [run_engine(path, int(tp), prompts, args.new_tokens, args.device, args.kv_cache_dtype)
+            for tp in args.tp_sizes.split(",")]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(args.device).eval()
     worst = 0.0
     where = (f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}" if args.device == "cuda" else "cpu")
     print(f"model {path}; {args.num_seqs} sequences, prompts 8-299 tokens, {args.new_tokens} greedy tokens each; "
-          f"{where}, torch {torch.__version__}")
+          f"{where}, torch {torch.__version__}, engine KV cache {args.kv_cache_dtype}")
     for run in runs:
         r = compare_with_hf(model, prompts, run)
         worst = max(worst, r["top20_rel"], r["chosen_rel"])

@@ -224,10 +224,11 @@ class ModelBytes:
     kv_bytes_per_token: int
 
 
-def model_bytes(cfg: ModelConfig, tp_size: int, elem_bytes: int) -> ModelBytes:
+def model_bytes(cfg: ModelConfig, tp_size: int, elem_bytes: int, kv_elem_bytes: int | None = None) -> ModelBytes:
     """Count from the config, sharded as the engine shards: heads, MLP columns and vocabulary rows are
     split across ranks; norms are replicated; KV heads are replicated when ``tp_size > num_kv_heads``.
-    A decode step reads every weight except an untied input-embedding table (only the batch's rows)."""
+    A decode step reads every weight except an untied input-embedding table (only the batch's rows).
+    KV entries take ``kv_elem_bytes`` each (default: ``elem_bytes``, the model dtype)."""
     heads = cfg.num_heads // tp_size
     kv_heads = cfg.num_kv_heads // tp_size if cfg.num_kv_heads >= tp_size else 1
     vocab_rows = -(-cfg.vocab_size // tp_size)
@@ -238,7 +239,7 @@ def model_bytes(cfg: ModelConfig, tp_size: int, elem_bytes: int) -> ModelBytes:
     layer += 2 * d if cfg.qk_norm else 0
     read = cfg.num_layers * layer + h + vocab_rows * h  # layers, final norm, LM head
     stored = read + (0 if cfg.tie_word_embeddings else vocab_rows * h)
-    kv = 2 * cfg.num_layers * kv_heads * d * elem_bytes
+    kv = 2 * cfg.num_layers * kv_heads * d * (kv_elem_bytes or elem_bytes)
     return ModelBytes(stored * elem_bytes, read * elem_bytes, kv)
 
 
@@ -371,7 +372,7 @@ def _timing(batch_size: int, entry: dict[str, Any]) -> StepTiming:
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine keyword options from the flags; presets skip the tokenizer (no detokenizer process)."""
     opts: dict[str, Any] = {"seed": args.seed, "skip_tokenizer_init": bool(args.preset)}
-    for name in ("max_running_requests", "mem_fraction_static", "attention_backend"):
+    for name in ("max_running_requests", "mem_fraction_static", "attention_backend", "kv_cache_dtype"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     return opts
@@ -518,7 +519,8 @@ def build_report(args: argparse.Namespace, model_path: str, device: str, dtype: 
     report = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "model": model_path, "preset": args.preset, "device": device, "device_name": _device_name(device),
-        "dtype": dtype, "tp_size": args.tp_size, "workload": workload,
+        "dtype": dtype, "kv_cache_dtype": args.kv_cache_dtype or "auto", "tp_size": args.tp_size,
+        "workload": workload,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "engine": engine.result.to_dict(),
@@ -538,7 +540,8 @@ def format_report(r: dict[str, Any]) -> str:
     w = r["workload"]
     lens = (f"lengths uniform in [{w['random_range'][0]}, {w['random_range'][1]}]" if w["random_range"]
             else f"input {w['input_len']}, output {w['output_len']} tokens")
-    lines = [f"model {r['model']} | {r['device_name']} | {r['dtype']} | tp {r['tp_size']}",
+    lines = [f"model {r['model']} | {r['device_name']} | {r['dtype']} | KV {r.get('kv_cache_dtype', 'auto')} | "
+             f"tp {r['tp_size']}",
              f"workload: {w['num_prompts']} prompts, {lens}, temperature {w['temperature']}, seed {w['seed']}",
              f"{'':<22}{'engine':>14}{'hf generate':>14}"]
     e, h = r["engine"], r["hf"] or {}
@@ -593,6 +596,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--attention-backend", choices=("auto", "torch_native", "flashinfer"), default=None)
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3", "fp8_e5m2"), default=None,
+                   help="KV cache storage type (default auto: the model dtype); fp8 halves the KV bytes")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="a short untimed generate first (default on)")
     p.add_argument("--batch1-steps", type=int, default=0,
@@ -645,7 +650,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bandwidth = measure_copy_bandwidth(device)
     hf = (run_hf(model_path, device, dtype, work, args.temperature, args.hf_batch_size, args.warmup)
           if args.hf_baseline else None)
-    mb = model_bytes(cfg, args.tp_size, torch.empty((), dtype=getattr(torch, dtype)).element_size())
+    kv_elem = 1 if args.kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2") else None
+    mb = model_bytes(cfg, args.tp_size, torch.empty((), dtype=getattr(torch, dtype)).element_size(), kv_elem)
     report = build_report(args, model_path, device, dtype, work, engine, mb, bandwidth, hf)
     print(format_report(report), flush=True)
     if args.json:

@@ -51,13 +51,16 @@ class FlashInferBackend(AttentionBackend):
     """Plans FlashInfer's batch prefill / decode kernels per forward and runs them per layer."""
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, scaling: float, dtype: torch.dtype,
-                 device: torch.device, max_kv_indices: int) -> None:
+                 device: torch.device, max_kv_indices: int, kv_dtype: torch.dtype | None = None) -> None:
+        """``dtype`` is q's and the output's; ``kv_dtype`` the KV pool's (default ``dtype``; float8 types
+        read fp8 K/V with unit scale and compute in ``dtype``)."""
         import flashinfer
 
         self.flashinfer = flashinfer
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.scaling = scaling
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.device = device
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
@@ -81,7 +84,7 @@ class FlashInferBackend(AttentionBackend):
         kv_indices = kv_indices_for(batch.req_to_token, batch.req_pool_indices, batch.seq_lens, total,
                                     out=self.kv_indices_buf)
         last = torch.ones(len(seq_lens), dtype=torch.int32).pin_memory()
-        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scaling)
+        common = dict(q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.scaling)
         # plan() fills a pinned host buffer of the wrapper and queues its copy to the device; the copy
         # queued by the previous plan may still be waiting behind the step in flight (overlap scheduling),
         # so let it finish before the buffer is overwritten (it runs as soon as that step starts)

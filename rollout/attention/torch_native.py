@@ -33,8 +33,8 @@ class TorchNativeBackend(AttentionBackend):
         start = 0
         for slots, ext, seq in zip(batch.attn_metadata, batch.extend_lens, batch.seq_lens_cpu):
             qi = q[start:start + ext].transpose(0, 1).unsqueeze(0)
-            ki = k_buf[slots].transpose(0, 1).unsqueeze(0)
-            vi = v_buf[slots].transpose(0, 1).unsqueeze(0)
+            ki = k_buf[slots].to(q.dtype).transpose(0, 1).unsqueeze(0)  # float8 pools: unit-scale dequant
+            vi = v_buf[slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
             mask, causal = _mask(ext, seq, q.device, batch.mode)
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=causal,
                                                 scale=layer.scaling, enable_gqa=True)

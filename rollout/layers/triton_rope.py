@@ -53,9 +53,9 @@ def _copy_tile(src, src_stride_h, dst, dst_stride_h, head0, n_heads,
     """dst[h] = src[h] for heads [head0, head0 + BLOCK_H) ∩ [0, n_heads), as two half-rows."""
     src_lo, dst_lo, cols, mask = _head_tile(src, src_stride_h, dst, dst_stride_h, head0, n_heads,
                                             HALF, BLOCK_H, BLOCK_HALF)
-    out_ty = dst.dtype.element_ty
-    tl.store(dst_lo, tl.load(src_lo, mask=mask).to(out_ty), mask=mask)
-    tl.store(dst_lo + HALF, tl.load(src_lo + HALF, mask=mask).to(out_ty), mask=mask)
+    out_ty = dst.dtype.element_ty  # through float32: one rounding, also into float8 buffers
+    tl.store(dst_lo, tl.load(src_lo, mask=mask).to(tl.float32).to(out_ty), mask=mask)
+    tl.store(dst_lo + HALF, tl.load(src_lo + HALF, mask=mask).to(tl.float32).to(out_ty), mask=mask)
 
 
 @triton.jit

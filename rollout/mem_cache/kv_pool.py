@@ -14,7 +14,8 @@ from rollout.device_copy import to_device
 
 
 class KVPool:
-    """K and V buffers for every layer: ``[num_slots + 1, num_kv_heads, head_dim]`` each."""
+    """K and V buffers for every layer: ``[num_slots + 1, num_kv_heads, head_dim]`` each, in ``dtype``
+    (the model dtype, or a float8 type: values are stored as ``x.to(float8)``, unit scale)."""
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: Any) -> None:
@@ -28,8 +29,12 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffers[layer_id][loc] = k.to(self.k_buffers[layer_id].dtype)
-        self.v_buffers[layer_id][loc] = v.to(self.v_buffers[layer_id].dtype)
+        """buffers[layer_id][loc] = k, v, cast (rounded to nearest) to the pool dtype."""
+        for buf, x in ((self.k_buffers[layer_id], k), (self.v_buffers[layer_id], v)):
+            x = x.to(buf.dtype)
+            if buf.element_size() == 1:  # float8: index_put through a byte view (not every build has fp8's)
+                buf, x = buf.view(torch.uint8), x.view(torch.uint8)
+            buf[loc] = x
 
 
 class SlotAllocator:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from rollout.attention.base import AttentionBackend
-from rollout.config import EngineConfig, ModelConfig, resolve_torch_dtype
+from rollout.config import EngineConfig, ModelConfig, resolve_kv_cache_dtype, resolve_torch_dtype
 from rollout.device_copy import list_to_device, to_device
 from rollout.distributed import TPGroup
 from rollout.layers.sampler import Sampler, SamplerOutput, SamplingBatchInfo, SamplingRow
@@ -66,6 +66,7 @@ class ModelRunner:
         self.tp = tp
         self.device = device
         self.dtype = resolve_torch_dtype(config, model_cfg)
+        self.kv_dtype = resolve_kv_cache_dtype(config, self.dtype)
         self.context_len = _context_len(config, model_cfg)
         # fused kernels (CUDA only): FlashInfer norm/activation, Triton rope+KV store and sampling
         fused = (config.fused_kernels and device.type == "cuda" and _has_module("flashinfer")
@@ -76,7 +77,7 @@ class ModelRunner:
         self.num_slots = self._kv_slots(attn.num_kv_heads)
         self.context_len = min(self.context_len, self.num_slots - 1)
         self.kv_pool = KVPool(self.num_slots, model_cfg.num_layers, attn.num_kv_heads, model_cfg.head_dim,
-                              self.dtype, device)
+                              self.kv_dtype, device)
         self.allocator = SlotAllocator(self.num_slots)
         self.req_to_token = ReqToTokenPool(config.max_running_requests + 1, self.context_len + 1, device)
         # each request row's newest token, written by the sampler on the device: decode reads its inputs
@@ -88,7 +89,7 @@ class ModelRunner:
 
     def _kv_slots(self, kv_heads_local: int) -> int:
         per_token = KVPool.bytes_per_token(self.model_cfg.num_layers, kv_heads_local, self.model_cfg.head_dim,
-                                           self.dtype)
+                                           self.kv_dtype)
         if self.config.max_total_tokens is not None:
             slots = self.config.max_total_tokens
         elif self.device.type == "cuda":
@@ -104,7 +105,8 @@ class ModelRunner:
             slots = int(t.item())
         if slots < 2:
             raise ValueError(f"not enough memory for the KV cache ({slots} slots)")
-        logger.info("KV cache: %d token slots, %.2f GiB", slots, slots * per_token / (1 << 30))
+        logger.info("KV cache: %d token slots, %.2f GiB, %s", slots, slots * per_token / (1 << 30),
+                    str(self.kv_dtype).replace("torch.", ""))
         return slots
 
     def _attention_backend(self, attn) -> AttentionBackend:
@@ -123,7 +125,7 @@ class ModelRunner:
 
             max_indices = self.config.max_running_requests * (self.context_len + 1) + 1
             return FlashInferBackend(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling, self.dtype,
-                                     self.device, max_indices)
+                                     self.device, max_indices, kv_dtype=self.kv_dtype)
         raise ValueError(f"attention backend {name!r} is not available")
 
     def _graph_runner(self):

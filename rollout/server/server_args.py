@@ -23,6 +23,7 @@ _ENGINE_OPTIONS = {
     "weight_version": "weight_version",
     "load_format": "load_format",
     "log_interval": "log_interval_s",
+    "kv_cache_dtype": "kv_cache_dtype",
 }
 
 
@@ -50,6 +51,7 @@ class ServerArgs:
     random_seed: int | None = None
     weight_version: str | None = None
     load_format: str | None = None
+    kv_cache_dtype: str | None = None
     disable_radix_cache: bool = False
     keep_weight_copy: bool = False
     log_level: str = "info"
@@ -128,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=None)
     p.add_argument("--weight-version", default=None, help="the version reported before any update")
     p.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache storage type (default auto: the model dtype)")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--keep-weight-copy", action="store_true", help="enable /rollback_weights")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
