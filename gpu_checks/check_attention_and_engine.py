@@ -72,21 +72,21 @@ def check_decode_speed(batch: int = 256, context: int = 1500, hq: int = 32, hk: 
     indptr = torch.arange(0, slots + 1, context, dtype=torch.int32, device=dev)
     indices = (torch.randperm(slots, device=dev) + 1).to(torch.int32)
     last = torch.ones(batch, dtype=torch.int32, device=dev)
-    q = torch.randn(batch, hq, d, device=dev, dtype=torch.bfloat16)
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    bf16, fp16, e4m3, e5m2 = torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2
+    cases = [(bf16, bf16, True), (bf16, e4m3, True), (fp16, e4m3, True), (fp16, e5m2, True), (fp16, e4m3, False)]
+    for q_dtype, kv_dtype, tensor_cores in cases:
+        q = torch.randn(batch, hq, d, device=dev, dtype=q_dtype)
         k = torch.randn(slots + 1, 1, hk, d, device=dev).to(kv_dtype)
         v = torch.randn(slots + 1, 1, hk, d, device=dev).to(kv_dtype)
-        for tensor_cores in (True, False):
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
-            w.plan(indptr, indices, last, hq, hk, d, 1, q_data_type=torch.bfloat16, kv_data_type=kv_dtype,
-                   sm_scale=d ** -0.5)
-            ms = _time_ms(lambda: w.run(q, (k, v)))
-            gb = 2 * slots * hk * d * k.element_size() / 1e9
-            print(f"decode {batch} x {context}, KV {str(kv_dtype).removeprefix('torch.'):13s} "
-                  f"{'tensor-core' if tensor_cores else 'CUDA-core  '}: {ms:.3f} ms per layer, "
-                  f"{gb / ms:.2f} TB/s of KV", flush=True)
-        del k, v
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
+        w.plan(indptr, indices, last, hq, hk, d, 1, q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=d ** -0.5)
+        ms = _time_ms(lambda: w.run(q, (k, v)))
+        gb = 2 * slots * hk * d * k.element_size() / 1e9
+        print(f"decode {batch} x {context}, q {str(q_dtype).removeprefix('torch.'):8s} "
+              f"KV {str(kv_dtype).removeprefix('torch.'):13s} {'tensor-core' if tensor_cores else 'CUDA-core  '}: "
+              f"{ms:.3f} ms per layer, {gb / ms:.2f} TB/s of KV", flush=True)
+        del q, k, v
 
 
 def main() -> None:
