@@ -1,0 +1,148 @@
+"""Split-KV decode attention over a page-size-1 KV pool, in Triton (the fp8 KV cache's decode kernel).
+
+FlashInfer 0.6.6's decode kernels convert float8 K/V to bf16 slowly (measured on H200: no faster than
+reading bf16). This kernel loads float8 (or 16-bit) K/V rows through the slot list, widens them to
+float16 in registers, and runs the two products on tensor cores with float32 accumulation:
+
+    stage 1, grid (batch, kv_heads, splits): one program owns the q heads of one KV head and one slice of
+        the request's tokens; online softmax over BLOCK_N tokens at a time.
+    stage 2, grid (batch, q_heads): merges the splits by their log-sum-exp (skipped when splits == 1).
+
+Semantics: ``out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b`` where K_b, V_b are the rows
+``k_buffer[kv_indices[kv_indptr[b]:kv_indptr[b+1]], h // group]`` cast to float16 (unit scale);
+q is rounded to float16 and p to float16 before the second product, as FlashInfer does with fp16 queries.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+@triton.jit
+def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, sm_scale,
+                         q_sb, q_sh, k_ss, k_sh, v_ss, v_sh, o_sb, o_sh, m_sb, m_sh, m_ss, l_sb, l_sh,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    qv = tl.load(q + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                 other=0.0).to(tl.float16)
+    start = tl.load(kv_indptr + b)
+    seq_len = tl.load(kv_indptr + b + 1) - start
+    per_split = tl.cdiv(seq_len, SPLITS)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    k_base = k_buf + kv_head * k_sh
+    v_base = v_buf + kv_head * v_sh
+    n0 = lo
+    # a while loop, not range(lo, hi): Triton's CPU interpreter (with numpy 2) cannot turn loaded
+    # scalars into range() bounds
+    while n0 < hi:
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        slot = tl.load(kv_indices + start + n, mask=n_ok, other=0).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        kt = tl.load(k_base + slot[:, None] * k_ss + d[None, :], mask=kv_mask, other=0.0).to(tl.float16)
+        s = tl.dot(qv, tl.trans(kt)) * sm_scale
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        vt = tl.load(v_base + slot[:, None] * v_ss + d[None, :], mask=kv_mask, other=0.0).to(tl.float16)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), vt)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        n0 += BLOCK_N
+    if SPLITS == 1:
+        o = acc / l_i[:, None]
+        tl.store(out + b * o_sb + heads[:, None] * o_sh + d[None, :], o.to(out.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:  # an empty split leaves acc = 0 and lse = m_i = -inf, which the merge weighs as 0
+        l_safe = tl.maximum(l_i, 1e-30)
+        o = acc / l_safe[:, None]
+        lse = m_i + tl.log(l_safe)
+        tl.store(mid_o + b * m_sb + heads[:, None] * m_sh + split * m_ss + d[None, :], o,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(mid_lse + b * l_sb + heads * l_sh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(mid_o, mid_lse, out, m_sb, m_sh, m_ss, l_sb, l_sh, o_sb, o_sh,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse = tl.load(mid_lse + b * l_sb + h * l_sh + s)
+    w = tl.exp(lse - tl.max(lse, 0))
+    o = tl.load(mid_o + b * m_sb + h * m_sh + s[:, None] * m_ss + d[None, :], mask=d_ok[None, :], other=0.0)
+    merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out + b * o_sb + h * o_sh + d, merged.to(out.dtype.element_ty), mask=d_ok)
+
+
+def num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
+    """Splits per request so that stage 1 has about four programs per SM (a power of two, 1..max_splits);
+    depends on the batch size only, so a CUDA graph captured for a batch size keeps it."""
+    want = triton.cdiv(4 * num_sms, max(1, batch_size * num_kv_heads))
+    return min(max_splits, triton.next_power_of_2(want))
+
+
+def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
+                     kv_indices: torch.Tensor, sm_scale: float, num_splits: int,
+                     out: torch.Tensor | None = None, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
+                     num_stages: int = NUM_STAGES) -> torch.Tensor:
+    """One query token per request against its paged KV (see the module docstring).
+
+    q [B, Hq, D] (any float dtype; the output has it); k_buffer/v_buffer [num_slots, Hk, D] with a
+    contiguous last dim, any float dtype incl. float8 (Hq a multiple of Hk); kv_indptr [B + 1] and
+    kv_indices [kv_indptr[B]] int32 on q's device, every request with at least one token;
+    ``num_splits`` a power of two (``num_kv_splits``). No host sync; CUDA-graph safe. ``block_n`` (tokens
+    per iteration), ``num_warps`` and ``num_stages`` are launch settings (gpu_checks sweeps them).
+    """
+    b, hq, d = q.shape
+    hk = k_buffer.shape[1]
+    if hq % hk or k_buffer.shape[2] != d or v_buffer.shape[1:] != k_buffer.shape[1:]:
+        raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k_buffer.shape)}, v {tuple(v_buffer.shape)}")
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    if q.stride(-1) != 1 or k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
+        raise ValueError("q and the KV buffers need a contiguous last dim")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    if b == 0:
+        return out
+    group = hq // hk
+    block_d = triton.next_power_of_2(d)
+    if num_splits > 1:
+        mid_o = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        mid_o, mid_lse = out, out  # unused
+    _decode_split_kernel[(b, hk, num_splits)](
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, out, mid_o, mid_lse, sm_scale,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if num_splits > 1 else 0,
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_N=block_n, SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages)
+    if num_splits > 1:
+        _merge_splits_kernel[(b, hq)](
+            mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+            mid_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=block_d, SPLITS=num_splits,
+            num_warps=NUM_WARPS)
+    return out

@@ -1,0 +1,96 @@
+"""rollout.attention.triton_decode against attention written out in float32 torch over the dequantized KV.
+
+Without a CUDA device the kernels run under Triton's CPU interpreter (TRITON_INTERPRET is set before
+triton is imported). Reading float8 (widening to float16) is exact in the interpreter; only its float8
+rounding on store is not, and this kernel never stores float8.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import triton  # noqa: E402,F401  (imported after TRITON_INTERPRET is set, on purpose)
+
+from rollout.attention.triton_decode import decode_attention, num_kv_splits  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_case(seq_lens: list[int], hq: int, hk: int, d: int, kv_dtype: torch.dtype, q_dtype: torch.dtype,
+              seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    slots = sum(seq_lens) + 7
+    k_buf = (torch.randn(slots, hk, d, generator=gen) * 2).to(kv_dtype).to(DEVICE)
+    v_buf = torch.randn(slots, hk, d, generator=gen).to(kv_dtype).to(DEVICE)
+    perm = (torch.randperm(slots - 1, generator=gen)[:sum(seq_lens)] + 1).to(torch.int32)
+    indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.tensor(seq_lens).cumsum(0)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(q_dtype).to(DEVICE)
+    return q, k_buf, v_buf, indptr.to(DEVICE), perm.to(DEVICE)
+
+
+def reference(q, k_buf, v_buf, indptr, indices, scale):
+    """float32 softmax attention, q rounded to float16 and K/V widened exactly as the kernel takes them."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    group = q.shape[1] // k_buf.shape[1]
+    for b in range(q.shape[0]):
+        idx = indices[indptr[b]:indptr[b + 1]].long().cpu()
+        k = k_buf.cpu()[idx].to(torch.float16).float().repeat_interleave(group, 1)  # [n, hq, d]
+        v = v_buf.cpu()[idx].to(torch.float16).float().repeat_interleave(group, 1)
+        qb = q[b].cpu().to(torch.float16).float()
+        p = torch.softmax(scale * torch.einsum("hd,nhd->hn", qb, k), -1)
+        out[b] = torch.einsum("hn,nhd->hd", p, v)
+    return out
+
+
+CASES = [  # seq lens, heads q/kv, head dim
+    ([1, 5, 64, 65, 130], 8, 2, 64),
+    ([200, 3, 17], 4, 4, 128),
+    ([33, 1], 12, 3, 64),
+]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_float32_attention_over_dequantized_kv(kv_dtype, splits, case):
+    seq_lens, hq, hk, d = CASES[case]
+    q, k_buf, v_buf, indptr, indices = make_case(seq_lens, hq, hk, d, kv_dtype, torch.bfloat16, seed=case)
+    scale = d ** -0.5
+    out = decode_attention(q, k_buf, v_buf, indptr, indices, scale, splits)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    want = reference(q, k_buf, v_buf, indptr, indices, scale)
+    # p is rounded to float16 before P.V (as FlashInfer does): ~1e-3 relative, plus bf16 output rounding
+    torch.testing.assert_close(out.float().cpu(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_more_splits_than_tokens_and_given_out():
+    """Splits with no tokens (seq 1 and 2 over 8 splits) weigh nothing; ``out`` is written in place."""
+    q, k_buf, v_buf, indptr, indices = make_case([1, 2, 9], 4, 2, 64, torch.float8_e4m3fn, torch.float16, seed=9)
+    out = torch.full(q.shape, 7.0, dtype=q.dtype, device=DEVICE)
+    returned = decode_attention(q, k_buf, v_buf, indptr, indices, 0.125, 8, out=out)
+    assert returned is out
+    torch.testing.assert_close(out.float().cpu(), reference(q, k_buf, v_buf, indptr, indices, 0.125),
+                               atol=5e-3, rtol=5e-3)
+
+
+def test_num_kv_splits_fills_the_device_and_stays_a_power_of_two():
+    assert num_kv_splits(256, 8, 132) == 1
+    assert num_kv_splits(1, 8, 132) == 16
+    assert num_kv_splits(8, 8, 132) == 16 and num_kv_splits(16, 8, 132) == 8
+    assert all(s & (s - 1) == 0 for s in (num_kv_splits(b, 3, 78) for b in range(1, 300)))
+
+
+def test_rejects_bad_shapes_and_splits():
+    q, k_buf, v_buf, indptr, indices = make_case([4], 6, 4, 64, torch.bfloat16, torch.bfloat16, seed=1)
+    with pytest.raises(ValueError, match="shapes"):
+        decode_attention(q, k_buf, v_buf, indptr, indices, 0.1, 1)
+    q, k_buf, v_buf, indptr, indices = make_case([4], 8, 4, 64, torch.bfloat16, torch.bfloat16, seed=1)
+    with pytest.raises(ValueError, match="power of two"):
+        decode_attention(q, k_buf, v_buf, indptr, indices, 0.1, 3)
