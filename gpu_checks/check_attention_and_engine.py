@@ -87,45 +87,6 @@ def check_decode_speed(batch: int = 256, context: int = 1500, hq: int = 32, hk: 
               f"KV {str(kv_dtype).removeprefix('torch.'):13s} {'tensor-core' if tensor_cores else 'CUDA-core  '}: "
               f"{ms:.3f} ms per layer, {gb / ms:.2f} TB/s of KV", flush=True)
         del q, k, v
-    for b, ctx in ((batch, context), (1, 1000)):
-        check_triton_decode_speed(b, ctx, hq, hk, d)
-
-
-def check_triton_decode_speed(batch: int, context: int, hq: int, hk: int, d: int) -> None:
-    """rollout's Triton split-KV decode: max |Δ| against FlashInfer on the same inputs, and time for a few
-    launch settings (block_n, num_warps, num_stages)."""
-    import flashinfer
-
-    from check_kernels import _time_ms
-    from rollout.attention.triton_decode import decode_attention, num_kv_splits
-
-    dev = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    slots = batch * context
-    indptr = torch.arange(0, slots + 1, context, dtype=torch.int32, device=dev)
-    indices = (torch.randperm(slots, device=dev) + 1).to(torch.int32)
-    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    for kv_dtype in (torch.float8_e4m3fn, torch.bfloat16):
-        q = torch.randn(batch, hq, d, device=dev, dtype=torch.bfloat16)
-        k = torch.randn(slots + 1, hk, d, device=dev).to(kv_dtype)
-        v = torch.randn(slots + 1, hk, d, device=dev).to(kv_dtype)
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-        w.plan(indptr, indices, torch.ones(batch, dtype=torch.int32, device=dev), hq, hk, d, 1,
-               q_data_type=q.dtype, kv_data_type=kv_dtype, sm_scale=d ** -0.5)
-        ref = w.run(q, (k.unsqueeze(1), v.unsqueeze(1))).float()
-        splits = num_kv_splits(batch, hk, sms)
-        gb = 2 * slots * hk * d * k.element_size() / 1e9
-        kv = str(kv_dtype).removeprefix("torch.")
-        for block_n, warps, stages in ((64, 4, 2), (32, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (64, 8, 2)):
-            got = decode_attention(q, k, v, indptr, indices, d ** -0.5, splits, block_n=block_n, num_warps=warps,
-                                   num_stages=stages).float()
-            err = (got - ref).abs().max().item() / ref.abs().max().item()
-            ms = _time_ms(lambda: decode_attention(q, k, v, indptr, indices, d ** -0.5, splits, block_n=block_n,
-                                                   num_warps=warps, num_stages=stages))
-            print(f"triton decode {batch} x {context}, KV {kv:13s} splits {splits} block_n {block_n} warps {warps} "
-                  f"stages {stages}: {ms:.3f} ms per layer, {gb / ms:.2f} TB/s of KV; vs FlashInfer {err:.1e}",
-                  flush=True)
-        del q, k, v
 
 
 def main() -> None:

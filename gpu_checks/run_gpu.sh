@@ -9,7 +9,8 @@
 #   bash gpu_checks/run_gpu.sh 8b-bench  # Llama-3.1-8B shape: 256 x 1000 in / 1000 out, batch-1 step
 #   bash gpu_checks/run_gpu.sh profile   # Llama-3.1-8B shape: GPU time of one decode step by kernel
 #   bash gpu_checks/run_gpu.sh fp8       # fp8 KV: Triton store, FlashInfer vs torch, decode kernel speed
-#   bash gpu_checks/run_gpu.sh 8b-fp8    # Llama-3.1-8B shape with an fp8 KV cache: the bench, then logits
+#   bash gpu_checks/run_gpu.sh 8b-fp8    # Llama-3.1-8B shape with an fp8 KV cache: the bench
+#   bash gpu_checks/run_gpu.sh 8b-logits-fp8  # ... and its teacher-forced logits vs transformers
 #   bash gpu_checks/run_gpu.sh tp2       # 2 GPUs: TP=2 vs TP=1 logits, TP=2 8B throughput
 #   bash gpu_checks/run_gpu.sh actor     # 2 GPUs: the engine actor's NCCL and CUDA IPC weight paths
 set -uo pipefail
@@ -50,7 +51,8 @@ case "${1:?stage}" in
     step attention-fp8 400 python gpu_checks/check_attention_and_engine.py --part attention,decode-speed ;;
   8b-fp8)
     step bench-8b-fp8 400 python -m rollout.bench --preset llama-3.1-8b --num-prompts 256 --input-len 1000 \
-      --output-len 1000 --batch1-steps 64 --kv-cache-dtype fp8_e4m3 --json "$out/bench-llama-3.1-8b-fp8.json"
+      --output-len 1000 --batch1-steps 64 --kv-cache-dtype fp8_e4m3 --json "$out/bench-llama-3.1-8b-fp8.json" ;;
+  8b-logits-fp8)
     step logits-8b-fp8 320 python gpu_checks/check_logits.py --preset llama-3.1-8b --num-seqs 32 --tp-sizes 1 \
       --kv-cache-dtype fp8_e4m3 ;;
   tp2)
