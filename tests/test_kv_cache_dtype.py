@@ -13,7 +13,7 @@ import torch
 from conftest import prompts_of_lengths
 from rollout import Engine, SamplingParams
 from rollout.config import EngineConfig
-from weight_sync.reference import hf_greedy, hf_logprobs
+from weight_sync.reference import hf_greedy, hf_logprobs, rounded_kv_attention
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 LENGTHS = [3, 17, 40, 1, 26, 64]
@@ -21,18 +21,10 @@ LENGTHS = [3, 17, 40, 1, 26, 64]
 
 def hf_with_fp8_kv(path: str, kv_dtype: torch.dtype):
     """transformers, float32, with K and V rounded to ``kv_dtype`` as attention reads them."""
-    from transformers import AttentionInterface, AutoModelForCausalLM
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers import AutoModelForCausalLM
 
-    name = f"sdpa_kv_{str(kv_dtype).removeprefix('torch.')}"
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        key = key.to(kv_dtype).to(query.dtype)
-        value = value.to(kv_dtype).to(query.dtype)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register(name, attention)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=name).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation=rounded_kv_attention(kv_dtype)).eval()
 
 
 def shared_prefix_prompts() -> list[list[int]]:

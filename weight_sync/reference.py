@@ -48,3 +48,21 @@ def greedy_gaps(model: Any, prompt: list[int], output: list[int]) -> list[float]
     lp = torch.log_softmax(logits, dim=-1)
     chosen = lp[torch.arange(len(output), device=device), torch.tensor(output, device=device)]
     return (lp.max(dim=-1).values - chosen).tolist()
+
+
+def rounded_kv_attention(kv_dtype: torch.dtype) -> str:
+    """Register with transformers (``AttentionInterface``) an SDPA attention whose keys (after RoPE) and
+    values are first rounded to ``kv_dtype`` and widened back, unit scale: what a KV cache of that type
+    (``kv_cache_dtype="fp8_e4m3"``) stores and reads. Returns the ``attn_implementation`` name to load
+    a model with. Queries, weights and the softmax keep the model's dtype."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        key = key.to(kv_dtype).to(query.dtype)
+        value = value.to(kv_dtype).to(query.dtype)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    name = f"sdpa_kv_{str(kv_dtype).removeprefix('torch.')}"
+    AttentionInterface.register(name, attention)
+    return name
