@@ -204,6 +204,17 @@ def main() -> int:
             print(f"TP={run.tp_size} vs transformers bf16 reading {args.kv_cache_dtype} K/V: top20 rel "
                   f"{r['top20_rel']:.2e}, chosen rel {r['chosen_rel']:.2e}, max |Δ| {r['max_abs']:.3f}, "
                   f"argmax {r['argmax']}/{r['tokens']}", flush=True)
+        if args.fp32_reference:  # the scale: transformers' own bf16 vs float32, both reading rounded K/V
+            hf8 = hf_as_run(model, prompts, runs[0])
+            del model
+            gc.collect()
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                         attn_implementation=rounded_kv_attention(kv)).to(args.device)
+            for name, run in [("transformers bf16", hf8)] + [(f"TP={r.tp_size}", r) for r in runs]:
+                r = compare_with_hf(model.eval(), prompts, run)
+                print(f"{name} (reading {args.kv_cache_dtype}) vs transformers float32 reading {args.kv_cache_dtype} "
+                      f"K/V: top20 rel {r['top20_rel']:.2e}, chosen rel {r['chosen_rel']:.2e}, "
+                      f"max |Δ| {r['max_abs']:.3f}, argmax {r['argmax']}/{r['tokens']}", flush=True)
     for run in runs[1:]:
         r = compare_runs(runs[0], run)
         worst = max(worst, r["top20_rel"])
