@@ -146,6 +146,8 @@ def compare_runs(a: EngineRun, b: EngineRun) -> dict[str, float]:
 
 
 def main() -> int:
+    from rollout.config import KV_CACHE_DTYPES, ModelConfig, kv_cache_torch_dtype
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None)
@@ -156,14 +158,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=2e-2)
     p.add_argument("--device", default="cuda", help="cuda (the check), or cpu for a dry run of the script")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3", "fp8_e5m2"),
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the engines' KV cache type (transformers keeps bf16 / float32 K and V)")
     p.add_argument("--fp32-reference", action=argparse.BooleanOptionalAction, default=True,
                    help="also compare transformers bf16 with transformers float32 (the scale of bf16 error)")
     args = p.parse_args()
     from transformers import AutoModelForCausalLM
-
-    from rollout.config import ModelConfig
 
     path = _model_path(args)
     prompts = _prompts(ModelConfig.from_path(path).vocab_size, args.num_seqs, args.seed)
@@ -193,7 +193,7 @@ def main() -> int:
     if args.kv_cache_dtype != "auto":  # the same transformers model reading K/V rounded as the engine stores them
         from weight_sync.reference import rounded_kv_attention
 
-        kv = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[args.kv_cache_dtype]
+        kv = kv_cache_torch_dtype(args.kv_cache_dtype, torch.bfloat16)
         del model
         gc.collect()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from rollout.config import ModelConfig
+from rollout.config import KV_CACHE_DTYPES, ModelConfig, kv_cache_torch_dtype
 
 MAX_SHARD_BYTES = 2 * 1024**3
 PRESET_NAMES = ("tiny", "qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b")
@@ -596,7 +596,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--attention-backend", choices=("auto", "torch_native", "flashinfer"), default=None)
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3", "fp8_e5m2"), default=None,
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                    help="KV cache storage type (default auto: the model dtype); fp8 halves the KV bytes")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="a short untimed generate first (default on)")
@@ -650,8 +650,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bandwidth = measure_copy_bandwidth(device)
     hf = (run_hf(model_path, device, dtype, work, args.temperature, args.hf_batch_size, args.warmup)
           if args.hf_baseline else None)
-    kv_elem = 1 if args.kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2") else None
-    mb = model_bytes(cfg, args.tp_size, torch.empty((), dtype=getattr(torch, dtype)).element_size(), kv_elem)
+    model_dtype = getattr(torch, dtype)
+    kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype or "auto", model_dtype)
+    mb = model_bytes(cfg, args.tp_size, model_dtype.itemsize, kv_dtype.itemsize)
     report = build_report(args, model_path, device, dtype, work, engine, mb, bandwidth, hf)
     print(format_report(report), flush=True)
     if args.json:

@@ -206,9 +206,9 @@ def resolve_torch_dtype(config: EngineConfig, model: ModelConfig):
     return table[name]
 
 
-def resolve_kv_cache_dtype(config: EngineConfig, model_dtype):
-    """The torch dtype of the KV cache: the model dtype for "auto", else the named float8 type."""
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype):
+    """The torch dtype of a KV cache named ``kv_cache_dtype`` (one of ``KV_CACHE_DTYPES``): the model
+    dtype for "auto", else the named float8 type."""
     import torch
 
-    return {"auto": model_dtype, "fp8_e4m3": torch.float8_e4m3fn,
-            "fp8_e5m2": torch.float8_e5m2}[config.kv_cache_dtype]
+    return {"auto": model_dtype, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from rollout.attention.base import AttentionBackend
-from rollout.config import EngineConfig, ModelConfig, resolve_kv_cache_dtype, resolve_torch_dtype
+from rollout.config import EngineConfig, ModelConfig, kv_cache_torch_dtype, resolve_torch_dtype
 from rollout.device_copy import list_to_device, to_device
 from rollout.distributed import TPGroup
 from rollout.layers.sampler import Sampler, SamplerOutput, SamplingBatchInfo, SamplingRow
@@ -66,7 +66,7 @@ class ModelRunner:
         self.tp = tp
         self.device = device
         self.dtype = resolve_torch_dtype(config, model_cfg)
-        self.kv_dtype = resolve_kv_cache_dtype(config, self.dtype)
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.context_len = _context_len(config, model_cfg)
         # fused kernels (CUDA only): FlashInfer norm/activation, Triton rope+KV store and sampling
         fused = (config.fused_kernels and device.type == "cuda" and _has_module("flashinfer")

@@ -8,6 +8,8 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from rollout.config import KV_CACHE_DTYPES
+
 # flag name → EngineConfig field, for options passed to the Engine only when given
 _ENGINE_OPTIONS = {
     "tokenizer_path": "tokenizer_path",
@@ -130,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=None)
     p.add_argument("--weight-version", default=None, help="the version reported before any update")
     p.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+    p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
                    help="KV cache storage type (default auto: the model dtype)")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--keep-weight-copy", action="store_true", help="enable /rollback_weights")
