@@ -9,6 +9,7 @@
 #   bash gpu_checks/run_gpu.sh 8b-bench  # Llama-3.1-8B shape: 256 x 1000 in / 1000 out, batch-1 step
 #   bash gpu_checks/run_gpu.sh profile   # Llama-3.1-8B shape: GPU time of one decode step by kernel
 #   bash gpu_checks/run_gpu.sh fp8       # fp8 KV: Triton store, FlashInfer vs torch, decode kernel speed
+#   bash gpu_checks/run_gpu.sh decode-sweep  # Triton decode attention's launch settings vs FlashInfer
 #   bash gpu_checks/run_gpu.sh 8b-fp8    # Llama-3.1-8B shape with an fp8 KV cache: the bench
 #   bash gpu_checks/run_gpu.sh 8b-logits-fp8  # ... and its teacher-forced logits vs transformers
 #   bash gpu_checks/run_gpu.sh tp2       # 2 GPUs: TP=2 vs TP=1 logits, TP=2 8B throughput
@@ -49,6 +50,9 @@ case "${1:?stage}" in
   fp8)
     step triton-fp8 200 python -m pytest -q -p no:cacheprovider tests/test_triton_rope.py
     step attention-fp8 400 python gpu_checks/check_attention_and_engine.py --part attention,decode-speed ;;
+  decode-sweep)
+    step triton-decode 200 python -m pytest -q -p no:cacheprovider tests/test_triton_decode.py
+    step decode-sweep 500 python gpu_checks/sweep_decode.py ;;
   8b-fp8)
     step bench-8b-fp8 400 python -m rollout.bench --preset llama-3.1-8b --num-prompts 256 --input-len 1000 \
       --output-len 1000 --batch1-steps 64 --kv-cache-dtype fp8_e4m3 --json "$out/bench-llama-3.1-8b-fp8.json" ;;

@@ -1,0 +1,96 @@
+"""rollout.attention.triton_decode against attention written out in float32 torch over the widened KV.
+
+Without a CUDA device the kernels run under Triton's CPU interpreter (see ``triton_interpreter``).
+Reading float8 (widening to float16) is exact in the interpreter; only its float8 rounding on store
+is not, and this kernel never stores float8.
+"""
+
+from __future__ import annotations
+
+from triton_interpreter import DEVICE  # first: sets up the interpreter before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from rollout.attention.triton_decode import (DecodeLaunch, decode_attention, heads_per_program,  # noqa: E402
+                                             num_kv_splits)
+
+
+def make_case(seq_lens: list[int], hq: int, hk: int, d: int, kv_dtype: torch.dtype, q_dtype: torch.dtype,
+              seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    slots = sum(seq_lens) + 7
+    k_buf = (torch.randn(slots, hk, d, generator=gen) * 2).to(kv_dtype).to(DEVICE)
+    v_buf = torch.randn(slots, hk, d, generator=gen).to(kv_dtype).to(DEVICE)
+    perm = (torch.randperm(slots - 1, generator=gen)[:sum(seq_lens)] + 1).to(torch.int32)
+    indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.tensor(seq_lens).cumsum(0)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(q_dtype).to(DEVICE)
+    return q, k_buf, v_buf, indptr.to(DEVICE), perm.to(DEVICE)
+
+
+def reference(q, k_buf, v_buf, indptr, indices, scale, compute=torch.float16):
+    """float32 softmax attention, q rounded to the compute type and K/V widened to it, as the kernel."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    group = q.shape[1] // k_buf.shape[1]
+    for b in range(q.shape[0]):
+        idx = indices[indptr[b]:indptr[b + 1]].long().cpu()
+        k = k_buf.cpu()[idx].to(compute).float().repeat_interleave(group, 1)  # [n, hq, d]
+        v = v_buf.cpu()[idx].to(compute).float().repeat_interleave(group, 1)
+        qb = q[b].cpu().to(compute).float()
+        p = torch.softmax(scale * torch.einsum("hd,nhd->hn", qb, k), -1)
+        out[b] = torch.einsum("hn,nhd->hd", p, v)
+    return out
+
+
+CASES = [  # seq lens, heads q/kv, head dim
+    ([1, 5, 64, 65, 130], 8, 2, 64),
+    ([200, 3, 17], 4, 4, 128),
+    ([33, 1], 12, 3, 64),
+]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("heads", [1, 8])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_float32_attention_over_widened_kv(kv_dtype, splits, heads, case):
+    seq_lens, hq, hk, d = CASES[case]
+    q_dtype = torch.float16 if kv_dtype.itemsize == 1 else torch.bfloat16
+    q, k_buf, v_buf, indptr, indices = make_case(seq_lens, hq, hk, d, kv_dtype, q_dtype, seed=case)
+    scale = d ** -0.5
+    out = decode_attention(q, k_buf, v_buf, indptr, indices, scale, splits, launch=DecodeLaunch(heads, 16, 4, 2))
+    assert out.dtype == q_dtype and out.shape == q.shape
+    want = reference(q, k_buf, v_buf, indptr, indices, scale, compute=q_dtype)
+    # p is rounded to the 16-bit compute type before P.V (as FlashInfer does), plus output rounding
+    tol = 1e-2 if q_dtype == torch.bfloat16 else 3e-3
+    torch.testing.assert_close(out.float().cpu(), want, atol=tol, rtol=tol)
+
+
+def test_bf16_query_with_float32_output_dtype_and_more_splits_than_tokens():
+    """A float32 query computes in float16; splits with no tokens (seq 1 and 2 over 8 splits) weigh
+    nothing; ``out`` is written in place."""
+    q, k_buf, v_buf, indptr, indices = make_case([1, 2, 9], 4, 2, 64, torch.float8_e4m3fn, torch.float32, seed=9)
+    out = torch.full(q.shape, 7.0, dtype=q.dtype, device=DEVICE)
+    returned = decode_attention(q, k_buf, v_buf, indptr, indices, 0.125, 8, out=out,
+                                launch=DecodeLaunch(2, 16, 4, 2))
+    assert returned is out
+    torch.testing.assert_close(out.cpu(), reference(q, k_buf, v_buf, indptr, indices, 0.125),
+                               atol=3e-3, rtol=3e-3)
+
+
+def test_num_kv_splits_and_heads_per_program():
+    assert num_kv_splits(256, 1, 132) == 4 and num_kv_splits(256, 8, 132) == 1
+    assert num_kv_splits(1, 1, 132) == 16 and num_kv_splits(16, 1, 132) == 16 and num_kv_splits(64, 1, 132) == 16
+    assert all(s & (s - 1) == 0 for s in (num_kv_splits(b, 3, 78) for b in range(1, 300)))
+    assert heads_per_program(8, 8) == 8 and heads_per_program(8, 4) == 4 and heads_per_program(3, 8) == 1
+    assert heads_per_program(6, 8) == 2 and heads_per_program(2, 1) == 1
+
+
+def test_rejects_bad_shapes_and_splits():
+    q, k_buf, v_buf, indptr, indices = make_case([4], 6, 4, 64, torch.bfloat16, torch.bfloat16, seed=1)
+    with pytest.raises(ValueError, match="shapes"):
+        decode_attention(q, k_buf, v_buf, indptr, indices, 0.1, 1)
+    q, k_buf, v_buf, indptr, indices = make_case([4], 8, 4, 64, torch.bfloat16, torch.bfloat16, seed=1)
+    with pytest.raises(ValueError, match="power of two"):
+        decode_attention(q, k_buf, v_buf, indptr, indices, 0.1, 3)
