@@ -2,8 +2,9 @@
 
     python gpu_checks/check_attention_and_engine.py [--part attention,decode-speed,engine]
 
-attention: FlashInfer vs the torch-native backend on random paged inputs, bf16 and fp8 (e4m3) KV pools
-(fresh prefill, prefix hits with chunked extends, decode), max |Δ| relative to the output scale.
+attention: FlashInfer (and, for decode, the Triton kernel) vs the torch-native backend on random paged
+inputs, bf16 and fp8 (e4m3) KV pools (fresh prefill, prefix hits with chunked extends, decode), max |Δ|
+relative to the output scale.
 decode-speed: one layer's FlashInfer decode at batch 256 x 1,500 cached tokens (Llama-3.1-8B heads),
 bf16 vs fp8 KV, tensor-core vs CUDA-core kernels: time and KV bytes read per second.
 engine: ``check_logits.py`` with its defaults (a small random Llama-shaped model in bf16 through the
@@ -47,18 +48,23 @@ def check_attention() -> None:
             q = torch.randn(t, hq, d, device=dev, dtype=dtype)
             k = torch.randn(t, hk, d, device=dev, dtype=dtype)
             v = torch.randn(t, hk, d, device=dev, dtype=dtype)
-            outs = []
-            for backend in (TorchNativeBackend(),
-                            FlashInferBackend(hq, hk, d, d ** -0.5, dtype, dev, 1 << 16, kv_dtype=kv_dtype)):
+            backends = {"torch_native": TorchNativeBackend()}
+            for decode in ("flashinfer", "triton") if mode == ForwardMode.DECODE else ("flashinfer",):
+                backends[f"{decode} decode" if mode == ForwardMode.DECODE else "flashinfer"] = FlashInferBackend(
+                    hq, hk, d, d ** -0.5, dtype, dev, 1 << 16, kv_dtype=kv_dtype, decode_backend=decode)
+            outs = {}
+            for name, backend in backends.items():
                 fb = ForwardBatch(mode, torch.zeros(t, dtype=torch.int64, device=dev), torch.zeros(t, device=dev),
                                   loc, torch.arange(len(seqs), device=dev), torch.tensor(seqs, device=dev), seqs, ext,
                                   pool, table.table, backend)
                 backend.init_forward_metadata(fb)
-                outs.append(backend.forward(q, k, v, layer, fb).float())
-            err = (outs[0] - outs[1]).abs().max().item() / outs[0].abs().max().item()
-            kv = str(kv_dtype).removeprefix("torch.")
-            print(f"attention KV {kv:13s} heads {hq}/{hk} dim {d} {mode.value:7s}: max |Δ| / max |out| = {err:.2e}",
-                  flush=True)
+                outs[name] = backend.forward(q, k, v, layer, fb).float()
+            ref = outs.pop("torch_native")
+            for name, out in outs.items():
+                err = (ref - out).abs().max().item() / ref.abs().max().item()
+                kv = str(kv_dtype).removeprefix("torch.")
+                print(f"attention KV {kv:13s} heads {hq}/{hk} dim {d} {mode.value:7s} {name:17s}: "
+                      f"max |Δ| / max |out| = {err:.2e}", flush=True)
 
 
 def check_decode_speed(batch: int = 256, context: int = 1500, hq: int = 32, hk: int = 8, d: int = 128) -> None:

@@ -372,7 +372,8 @@ def _timing(batch_size: int, entry: dict[str, Any]) -> StepTiming:
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine keyword options from the flags; presets skip the tokenizer (no detokenizer process)."""
     opts: dict[str, Any] = {"seed": args.seed, "skip_tokenizer_init": bool(args.preset)}
-    for name in ("max_running_requests", "mem_fraction_static", "attention_backend", "kv_cache_dtype"):
+    for name in ("max_running_requests", "mem_fraction_static", "attention_backend", "decode_attention_backend",
+                 "kv_cache_dtype"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     return opts
@@ -520,6 +521,7 @@ def build_report(args: argparse.Namespace, model_path: str, device: str, dtype: 
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "model": model_path, "preset": args.preset, "device": device, "device_name": _device_name(device),
         "dtype": dtype, "kv_cache_dtype": args.kv_cache_dtype or "auto", "tp_size": args.tp_size,
+        "decode_attention_backend": args.decode_attention_backend or "auto",
         "workload": workload,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
@@ -541,7 +543,7 @@ def format_report(r: dict[str, Any]) -> str:
     lens = (f"lengths uniform in [{w['random_range'][0]}, {w['random_range'][1]}]" if w["random_range"]
             else f"input {w['input_len']}, output {w['output_len']} tokens")
     lines = [f"model {r['model']} | {r['device_name']} | {r['dtype']} | KV {r.get('kv_cache_dtype', 'auto')} | "
-             f"tp {r['tp_size']}",
+             f"tp {r['tp_size']} | decode attention {r.get('decode_attention_backend', 'auto')}",
              f"workload: {w['num_prompts']} prompts, {lens}, temperature {w['temperature']}, seed {w['seed']}",
              f"{'':<22}{'engine':>14}{'hf generate':>14}"]
     e, h = r["engine"], r["hf"] or {}
@@ -596,6 +598,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--attention-backend", choices=("auto", "torch_native", "flashinfer"), default=None)
+    p.add_argument("--decode-attention-backend", choices=("auto", "flashinfer", "triton"), default=None,
+                   help="decode kernel under the flashinfer backend (default auto: triton)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                    help="KV cache storage type (default auto: the model dtype); fp8 halves the KV bytes")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,

@@ -1,8 +1,10 @@
-"""FlashInfer paged attention (GPU): prefill/extend (prefix hits, chunks) and decode over page-size-1 KV.
+"""GPU paged attention over page-size-1 KV: FlashInfer for prefill/extend (prefix hits, chunks), and for
+decode either FlashInfer or the Triton split-KV kernel (``rollout.attention.triton_decode``).
 
 Each forward is planned once (``init_forward_metadata``); every layer then runs the planned kernel
 over its own K/V buffers, viewed as ``[num_slots + 1, 1, num_kv_heads, head_dim]`` (NHD, page size 1).
-For CUDA graphs, ``DecodeGraphState`` holds a decode wrapper with fixed buffers per batch size.
+For CUDA graphs, ``DecodeGraphState`` holds a decode wrapper or Triton metadata with fixed buffers per
+batch size.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollout.attention.base import AttentionBackend
+from rollout.attention.triton_decode import decode_attention, num_kv_splits
 from rollout.model_executor.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
@@ -39,7 +42,8 @@ def kv_indices_for(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: tor
 
 @dataclass
 class DecodeGraphState:
-    """A CUDA-graph-safe decode wrapper for one padded batch size, with its fixed index buffers."""
+    """CUDA-graph-safe decode state for one padded batch size: its fixed index buffers and, for FlashInfer
+    decode, the wrapper bound to them (None for Triton decode)."""
 
     batch_size: int
     wrapper: Any
@@ -47,12 +51,25 @@ class DecodeGraphState:
     last_page_len: torch.Tensor
 
 
+@dataclass
+class TritonDecodeMetadata:
+    """What the Triton decode kernel needs per forward: device ``kv_indptr`` [B + 1], ``kv_indices``
+    (int32 slots) and the number of KV splits (fixed per batch size)."""
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    num_splits: int
+
+
 class FlashInferBackend(AttentionBackend):
-    """Plans FlashInfer's batch prefill / decode kernels per forward and runs them per layer."""
+    """Plans FlashInfer's batch prefill / decode kernels (or the Triton decode kernel) per forward and runs
+    them per layer."""
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, scaling: float, dtype: torch.dtype,
-                 device: torch.device, max_kv_indices: int, kv_dtype: torch.dtype | None = None) -> None:
-        """``dtype`` is q's and the output's; ``kv_dtype`` the KV pool's (default ``dtype``).
+                 device: torch.device, max_kv_indices: int, kv_dtype: torch.dtype | None = None,
+                 decode_backend: str = "flashinfer") -> None:
+        """``dtype`` is q's and the output's; ``kv_dtype`` the KV pool's (default ``dtype``);
+        ``decode_backend`` "flashinfer" or "triton" (decode steps only; prefill is always FlashInfer).
 
         Float8 pools (unit scale): FlashInfer widens K/V to the query's type inside the kernel; to float16
         that is one instruction, to bf16 it is not (H200, batch 256 x 1,500 tokens, one layer: 0.35 ms with
@@ -67,6 +84,10 @@ class FlashInferBackend(AttentionBackend):
         self.kv_dtype = kv_dtype or dtype
         self.q_dtype = torch.float16 if self.kv_dtype.itemsize == 1 else dtype
         self.device = device
+        if decode_backend not in ("flashinfer", "triton"):
+            raise ValueError(f"unknown decode backend {decode_backend!r}")
+        self.decode_backend = decode_backend
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
@@ -77,12 +98,17 @@ class FlashInferBackend(AttentionBackend):
         """A decode wrapper bound to fixed buffers, for capture and replay at ``batch_size``."""
         indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device)
         last = torch.ones(batch_size, dtype=torch.int32, device=self.device)
+        if self.decode_backend == "triton":
+            return DecodeGraphState(batch_size, None, indptr, last)
         wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
             paged_kv_indices_buffer=self.kv_indices_buf, paged_kv_last_page_len_buffer=last)
         return DecodeGraphState(batch_size, wrapper, indptr, last)
 
     def init_forward_metadata(self, batch: "ForwardBatch", graph: DecodeGraphState | None = None) -> None:
+        if batch.mode == ForwardMode.DECODE and self.decode_backend == "triton":
+            batch.attn_metadata = self._triton_decode_metadata(batch, graph)
+            return
         seq_lens = batch.seq_lens_cpu
         total = sum(seq_lens)
         kv_indptr = _indptr(seq_lens)
@@ -107,13 +133,28 @@ class FlashInferBackend(AttentionBackend):
         self._planned.record()
         batch.attn_metadata = wrapper
 
+    def _triton_decode_metadata(self, batch: "ForwardBatch", graph: DecodeGraphState | None) -> TritonDecodeMetadata:
+        """Device-side index lists (no host copy to wait for, so no event either): ``kv_indptr`` is the
+        cumulative sum of the device ``seq_lens``, written into the graph's fixed buffer when there is one."""
+        b = len(batch.seq_lens_cpu)
+        indptr = graph.indptr if graph is not None else torch.zeros(b + 1, dtype=torch.int32, device=self.device)
+        torch.cumsum(batch.seq_lens, 0, dtype=torch.int32, out=indptr[1:])
+        indices = kv_indices_for(batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                 sum(batch.seq_lens_cpu), out=self.kv_indices_buf)
+        return TritonDecodeMetadata(indptr, indices, num_kv_splits(b, self.num_kv_heads, self.num_sms))
+
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: "Attention",
                 batch: "ForwardBatch") -> torch.Tensor:
         pool = batch.kv_pool
         if k is not None:  # None: the model already wrote this step's k and v (fused rope kernel)
             pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
-        cache = (pool.k_buffers[layer.layer_id].unsqueeze(1), pool.v_buffers[layer.layer_id].unsqueeze(1))
-        out = batch.attn_metadata.run(q.to(self.q_dtype).contiguous(), cache)
+        k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
+        meta = batch.attn_metadata
+        q = q.to(self.q_dtype).contiguous()
+        if isinstance(meta, TritonDecodeMetadata):
+            out = decode_attention(q, k_buf, v_buf, meta.kv_indptr, meta.kv_indices, self.scaling, meta.num_splits)
+        else:
+            out = meta.run(q, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)))
         return out if out.dtype == self.dtype else out.to(self.dtype)
 
 

@@ -21,6 +21,7 @@ _ENGINE_OPTIONS = {
     "max_prefill_tokens": "max_prefill_tokens",
     "cpu_kv_cache_gb": "cpu_kv_cache_gb",
     "attention_backend": "attention_backend",
+    "decode_attention_backend": "decode_attention_backend",
     "random_seed": "seed",
     "weight_version": "weight_version",
     "load_format": "load_format",
@@ -50,6 +51,7 @@ class ServerArgs:
     max_prefill_tokens: int | None = None
     cpu_kv_cache_gb: float | None = None
     attention_backend: str | None = None
+    decode_attention_backend: str | None = None
     random_seed: int | None = None
     weight_version: str | None = None
     load_format: str | None = None
@@ -129,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=int, default=None)
     p.add_argument("--cpu-kv-cache-gb", type=float, default=None)
     p.add_argument("--attention-backend", default=None, choices=["auto", "torch_native", "flashinfer"])
+    p.add_argument("--decode-attention-backend", default=None, choices=["auto", "flashinfer", "triton"],
+                   help="decode kernel under the flashinfer backend (auto: triton)")
     p.add_argument("--random-seed", type=int, default=None)
     p.add_argument("--weight-version", default=None, help="the version reported before any update")
     p.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"])
