@@ -70,6 +70,8 @@ def test_fp8_pool_holds_four_times_the_float32_slots(tiny_dir):
     assert slots["fp8_e4m3"] == min(int(0.01 * 2**30) // per_token, 4 * 64)
 
 
-def test_unknown_kv_cache_dtype_is_refused():
+def test_unknown_kv_cache_dtype_or_decode_backend_is_refused():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(model_path="x", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="decode_attention_backend"):
+        EngineConfig(model_path="x", decode_attention_backend="fa3")
