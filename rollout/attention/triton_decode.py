@@ -30,6 +30,7 @@ class DecodeLaunch:
     block_n: int = 64  # tokens per pipelined tile
     num_warps: int = 2
     num_stages: int = 4
+    k_first: bool = False  # compute scores as K q^T (K untransposed) instead of q K^T
 
 
 @triton.jit
@@ -37,7 +38,7 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
                          q_sb, q_sh, k_ss, k_sh, v_ss, v_sh, o_sb, o_sh, m_sb, m_sh, m_ss, l_sb, l_sh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                         NUM_STAGES: tl.constexpr):
+                         NUM_STAGES: tl.constexpr, K_FIRST: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -49,6 +50,7 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
     compute = tl.float16 if q.dtype.element_ty.primitive_bitwidth != 16 else q.dtype.element_ty
     qv = tl.load(q + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
                  other=0.0).to(compute)
+    q_t = tl.trans(qv)
     start = tl.load(kv_indptr + b)
     seq_len = tl.load(kv_indptr + b + 1) - start
     per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
@@ -66,13 +68,22 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
         kv_mask = n_ok[:, None] & d_ok[None, :]
         kt = tl.load(k_base + slot[:, None] * k_ss, mask=kv_mask, other=0.0)
         vt = tl.load(v_base + slot[:, None] * v_ss, mask=kv_mask, other=0.0)
-        s = tl.dot(qv, tl.trans(kt.to(compute))) * sm_scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        acc = acc * alpha[:, None] + tl.dot(p.to(compute), vt.to(compute))
-        l_i = l_i * alpha + tl.sum(p, 1)
+        if K_FIRST:  # scores as [tokens, heads] = K q^T: the K tile is the MMA's A operand, untransposed
+            st = tl.dot(kt.to(compute), q_t) * sm_scale
+            st = tl.where(n_ok[:, None], st, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(st, 0))
+            pt = tl.exp(st - m_new[None, :])
+            alpha = tl.exp(m_i - m_new)
+            acc = acc * alpha[:, None] + tl.dot(tl.trans(pt.to(compute)), vt.to(compute))
+            l_i = l_i * alpha + tl.sum(pt, 0)
+        else:
+            s = tl.dot(qv, tl.trans(kt.to(compute))) * sm_scale
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            acc = acc * alpha[:, None] + tl.dot(p.to(compute), vt.to(compute))
+            l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     o_mask = row_ok[:, None] & d_ok[None, :]
     if SPLITS == 1:
@@ -142,7 +153,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if num_splits > 1 else 0,
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=launch.block_n, SPLITS=num_splits, NUM_STAGES=launch.num_stages, num_warps=launch.num_warps)
+        BLOCK_N=launch.block_n, SPLITS=num_splits, NUM_STAGES=launch.num_stages, K_FIRST=launch.k_first,
+        num_warps=launch.num_warps)
     if num_splits > 1:
         _merge_splits_kernel[(b, hq)](
             mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
