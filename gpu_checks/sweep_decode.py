@@ -50,11 +50,11 @@ def slot_layout(kind: str, batch: int, context: int, device: torch.device) -> to
 
 
 def sweep(q, k, v, indptr, indices, ref, settings, label: str, gb: float) -> tuple[float, tuple]:
-    """Time the Triton kernel at each (block_n, warps, stages, k_first, splits); the best time and setting."""
+    """Time the Triton kernel at each (block_n, warps, stages, splits); the best time and setting."""
     best = (float("inf"), settings[0])
     d = q.shape[-1]
-    for block_n, warps, stages, k_first, splits in settings:
-        launch = DecodeLaunch(block_n, warps, stages, k_first)
+    for block_n, warps, stages, splits in settings:
+        launch = DecodeLaunch(block_n, warps, stages)
         try:
             out = decode_attention(q, k, v, indptr, indices, d ** -0.5, splits, launch=launch)
             err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
@@ -62,9 +62,9 @@ def sweep(q, k, v, indptr, indices, ref, settings, label: str, gb: float) -> tup
         except Exception as e:  # noqa: BLE001  (a setting the compiler refuses, e.g. out of shared memory)
             print(f"{label} triton {launch}: failed {type(e).__name__}: {e}"[:300], flush=True)
             continue
-        print(f"{label} triton n{block_n:<3d} w{warps} s{stages} {'K.qT' if k_first else 'q.KT'} splits {splits:2d} "
+        print(f"{label} triton n{block_n:<3d} w{warps} s{stages} splits {splits:2d} "
               f"{ms:.3f} ms  {gb / ms:.2f} TB/s  err {err:.1e}", flush=True)
-        best = min(best, (ms, (block_n, warps, stages, k_first, splits)))
+        best = min(best, (ms, (block_n, warps, stages, splits)))
     return best
 
 
@@ -79,7 +79,7 @@ def run_case(batch: int, context: int, hq: int, hk: int, d: int, kv_dtype: torch
     indptr = torch.arange(0, slots + 1, context, dtype=torch.int32, device=dev)
     last = torch.ones(batch, dtype=torch.int32, device=dev)
     splits = num_kv_splits(batch, hk, sms)
-    settings = [(n, w, s, kf, splits) for n, w, s, kf in itertools.product(*grid)]
+    settings = [(n, w, s, splits) for n, w, s in itertools.product(*grid)]
     q_dtype = torch.float16 if kv_dtype.itemsize == 1 else torch.bfloat16
     q = torch.randn(batch, hq, d, device=dev, dtype=q_dtype)
     k = torch.randn(slots + 1, hk, d, device=dev).to(kv_dtype)
@@ -97,9 +97,9 @@ def run_case(batch: int, context: int, hq: int, hk: int, d: int, kv_dtype: torch
         if best is None:
             best = sweep(q, k, v, indptr, indices, ref, settings, label, gb)[1]
             print(f"{label} best {best}", flush=True)
-        n, wp, st, kf, sp = best
+        n, wp, st, sp = best
         sweep(q, k, v, indptr, indices, ref,
-              [(n, wp, st, kf, s) for s in (1, 2, 4, 8) if layout == "engine" or s != sp], label, gb)
+              [(n, wp, st, s) for s in (1, 2, 4, 8) if layout == "engine" or s != sp], label, gb)
 
 
 def main() -> None:
@@ -107,7 +107,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a few settings only")
     args = p.parse_args()
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    grid = ([64], [2], [4], [False, True]) if args.quick else ([64, 128], [1, 2, 4], [3, 4], [False, True])
+    grid = ([64], [1, 2], [3, 4]) if args.quick else ([32, 64, 128], [1, 2, 4], [2, 3, 4])
     run_case(256, 1500, 32, 8, 128, torch.float8_e4m3fn, grid, workspace)
     run_case(256, 1500, 32, 8, 128, torch.bfloat16, grid, workspace)
     run_case(256, 256, 32, 8, 64, torch.bfloat16, grid, workspace)

@@ -9,8 +9,10 @@ scale) and meet the queries on tensor cores with float32 accumulation and an onl
     stage 2, grid (batch, q_heads): merges the splits by their log-sum-exp (skipped when splits == 1).
 
 Semantics: ``out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b`` where K_b, V_b are the rows
-``k_buffer[kv_indices[kv_indptr[b]:kv_indptr[b+1]], h // group]`` widened to the compute type (q's
-dtype if 16-bit, else float16); p is rounded to that type before the second product, as FlashInfer does.
+``k_buffer[kv_indices[kv_indptr[b]:kv_indptr[b+1]], h // group]`` and q are rounded to the compute type:
+float16 for float8 pools (fp8 -> fp16 widening is one instruction; fp8 -> bf16 is not) or non-16-bit
+queries, else q's dtype; p is rounded to that type before the second product, as FlashInfer does; the
+float32 result is rounded once to the output's dtype (q's).
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ class DecodeLaunch:
     block_n: int = 64  # tokens per pipelined tile
     num_warps: int = 2
     num_stages: int = 4
-    k_first: bool = False  # compute scores as K q^T (K untransposed) instead of q K^T
+
+    @staticmethod
+    def for_kv(kv_dtype: torch.dtype) -> "DecodeLaunch":
+        """The sweep's best on H200: float8 pools 64 tokens / 1 warp / 3 stages, 16-bit pools the defaults."""
+        return DecodeLaunch(64, 1, 3) if kv_dtype.itemsize == 1 else DecodeLaunch()
 
 
 @triton.jit
@@ -38,7 +44,7 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
                          q_sb, q_sh, k_ss, k_sh, v_ss, v_sh, o_sb, o_sh, m_sb, m_sh, m_ss, l_sb, l_sh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, K_FIRST: tl.constexpr):
+                         NUM_STAGES: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -47,10 +53,10 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
     row_ok = rows < GROUP
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    compute = tl.float16 if q.dtype.element_ty.primitive_bitwidth != 16 else q.dtype.element_ty
+    wide_q = q.dtype.element_ty.primitive_bitwidth != 16
+    compute = tl.float16 if wide_q or k_buf.dtype.element_ty.primitive_bitwidth == 8 else q.dtype.element_ty
     qv = tl.load(q + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
                  other=0.0).to(compute)
-    q_t = tl.trans(qv)
     start = tl.load(kv_indptr + b)
     seq_len = tl.load(kv_indptr + b + 1) - start
     per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
@@ -68,22 +74,13 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
         kv_mask = n_ok[:, None] & d_ok[None, :]
         kt = tl.load(k_base + slot[:, None] * k_ss, mask=kv_mask, other=0.0)
         vt = tl.load(v_base + slot[:, None] * v_ss, mask=kv_mask, other=0.0)
-        if K_FIRST:  # scores as [tokens, heads] = K q^T: the K tile is the MMA's A operand, untransposed
-            st = tl.dot(kt.to(compute), q_t) * sm_scale
-            st = tl.where(n_ok[:, None], st, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(st, 0))
-            pt = tl.exp(st - m_new[None, :])
-            alpha = tl.exp(m_i - m_new)
-            acc = acc * alpha[:, None] + tl.dot(tl.trans(pt.to(compute)), vt.to(compute))
-            l_i = l_i * alpha + tl.sum(pt, 0)
-        else:
-            s = tl.dot(qv, tl.trans(kt.to(compute))) * sm_scale
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            acc = acc * alpha[:, None] + tl.dot(p.to(compute), vt.to(compute))
-            l_i = l_i * alpha + tl.sum(p, 1)
+        s = tl.dot(qv, tl.trans(kt.to(compute))) * sm_scale
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        acc = acc * alpha[:, None] + tl.dot(p.to(compute), vt.to(compute))
+        l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     o_mask = row_ok[:, None] & d_ok[None, :]
     if SPLITS == 1:
@@ -121,7 +118,7 @@ def num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: 
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, sm_scale: float, num_splits: int, out: torch.Tensor | None = None,
-                     launch: DecodeLaunch = DecodeLaunch()) -> torch.Tensor:
+                     launch: DecodeLaunch | None = None) -> torch.Tensor:
     """One query token per request against its paged KV (see the module docstring).
 
     q [B, Hq, D] (any float dtype; the output has it); k_buffer/v_buffer [num_slots, Hk, D] with a
@@ -137,6 +134,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     if q.stride(-1) != 1 or k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
         raise ValueError("q and the KV buffers need a contiguous last dim")
+    launch = launch or DecodeLaunch.for_kv(k_buffer.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if b == 0:
         return out
@@ -153,8 +151,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if num_splits > 1 else 0,
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=launch.block_n, SPLITS=num_splits, NUM_STAGES=launch.num_stages, K_FIRST=launch.k_first,
-        num_warps=launch.num_warps)
+        BLOCK_N=launch.block_n, SPLITS=num_splits, NUM_STAGES=launch.num_stages, num_warps=launch.num_warps)
     if num_splits > 1:
         _merge_splits_kernel[(b, hq)](
             mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
