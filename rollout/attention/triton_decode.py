@@ -9,10 +9,8 @@ scale) and meet the queries on tensor cores with float32 accumulation and an onl
     stage 2, grid (batch, q_heads): merges the splits by their log-sum-exp (skipped when splits == 1).
 
 Semantics: ``out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b`` where K_b, V_b are the rows
-``k_buffer[kv_indices[kv_indptr[b]:kv_indptr[b+1]], h // group]`` and q are rounded to the compute type:
-float16 for float8 pools (fp8 -> fp16 widening is one instruction; fp8 -> bf16 is not) or non-16-bit
-queries, else q's dtype; p is rounded to that type before the second product, as FlashInfer does; the
-float32 result is rounded once to the output's dtype (q's).
+``k_buffer[kv_indices[kv_indptr[b]:kv_indptr[b+1]], h // group]`` widened to the compute type (q's
+dtype if 16-bit, else float16); p is rounded to that type before the second product, as FlashInfer does.
 """
 
 from __future__ import annotations
@@ -33,11 +31,6 @@ class DecodeLaunch:
     num_warps: int = 2
     num_stages: int = 4
 
-    @staticmethod
-    def for_kv(kv_dtype: torch.dtype) -> "DecodeLaunch":
-        """The sweep's best on H200: float8 pools 64 tokens / 1 warp / 3 stages, 16-bit pools the defaults."""
-        return DecodeLaunch(64, 1, 3) if kv_dtype.itemsize == 1 else DecodeLaunch()
-
 
 @triton.jit
 def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, sm_scale,
@@ -53,8 +46,7 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
     row_ok = rows < GROUP
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    wide_q = q.dtype.element_ty.primitive_bitwidth != 16
-    compute = tl.float16 if wide_q or k_buf.dtype.element_ty.primitive_bitwidth == 8 else q.dtype.element_ty
+    compute = tl.float16 if q.dtype.element_ty.primitive_bitwidth != 16 else q.dtype.element_ty
     qv = tl.load(q + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
                  other=0.0).to(compute)
     start = tl.load(kv_indptr + b)
@@ -118,7 +110,7 @@ def num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: 
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, sm_scale: float, num_splits: int, out: torch.Tensor | None = None,
-                     launch: DecodeLaunch | None = None) -> torch.Tensor:
+                     launch: DecodeLaunch = DecodeLaunch()) -> torch.Tensor:
     """One query token per request against its paged KV (see the module docstring).
 
     q [B, Hq, D] (any float dtype; the output has it); k_buffer/v_buffer [num_slots, Hk, D] with a
@@ -134,7 +126,6 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     if q.stride(-1) != 1 or k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
         raise ValueError("q and the KV buffers need a contiguous last dim")
-    launch = launch or DecodeLaunch.for_kv(k_buffer.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if b == 0:
         return out
