@@ -95,7 +95,8 @@ class FlashInferBackend(AttentionBackend):
         self._planned: torch.cuda.Event | None = None  # recorded after the last plan's host-to-device copies
 
     def graph_state(self, batch_size: int) -> DecodeGraphState:
-        """A decode wrapper bound to fixed buffers, for capture and replay at ``batch_size``."""
+        """Decode state bound to fixed buffers (FlashInfer decode: a wrapper on them), for capture and replay
+        at ``batch_size``."""
         indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device)
         last = torch.ones(batch_size, dtype=torch.int32, device=self.device)
         if self.decode_backend == "triton":
