@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from rollout.config import KV_CACHE_DTYPES, ModelConfig, kv_cache_torch_dtype
+from rollout.config import (ATTENTION_BACKENDS, DECODE_ATTENTION_BACKENDS, KV_CACHE_DTYPES, ModelConfig,
+                            kv_cache_torch_dtype)
 
 MAX_SHARD_BYTES = 2 * 1024**3
 PRESET_NAMES = ("tiny", "qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b")
@@ -597,8 +598,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--mem-fraction-static", type=float, default=None)
-    p.add_argument("--attention-backend", choices=("auto", "torch_native", "flashinfer"), default=None)
-    p.add_argument("--decode-attention-backend", choices=("auto", "flashinfer", "triton"), default=None,
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None)
+    p.add_argument("--decode-attention-backend", choices=DECODE_ATTENTION_BACKENDS, default=None,
                    help="decode kernel under the flashinfer backend (default auto: triton)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                    help="KV cache storage type (default auto: the model dtype); fp8 halves the KV bytes")

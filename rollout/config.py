@@ -11,6 +11,8 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")  # auto: flashinfer on CUDA when installed
+DECODE_ATTENTION_BACKENDS = ("auto", "flashinfer", "triton")  # under flashinfer; auto: triton
 
 
 @dataclass(frozen=True)
@@ -167,9 +169,9 @@ class EngineConfig:
             raise ValueError("chunked_prefill_size and max_prefill_tokens must be >= 1")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
-        if self.attention_backend not in ("auto", "torch_native", "flashinfer"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
-        if self.decode_attention_backend not in ("auto", "flashinfer", "triton"):
+        if self.decode_attention_backend not in DECODE_ATTENTION_BACKENDS:
             raise ValueError(f"unknown decode_attention_backend {self.decode_attention_backend!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")

@@ -16,6 +16,7 @@ import torch
 
 from rollout.attention.base import AttentionBackend
 from rollout.attention.triton_decode import decode_attention, num_kv_splits
+from rollout.config import DECODE_ATTENTION_BACKENDS
 from rollout.model_executor.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
@@ -67,9 +68,10 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, scaling: float, dtype: torch.dtype,
                  device: torch.device, max_kv_indices: int, kv_dtype: torch.dtype | None = None,
-                 decode_backend: str = "flashinfer") -> None:
+                 decode_backend: str = "auto") -> None:
         """``dtype`` is q's and the output's; ``kv_dtype`` the KV pool's (default ``dtype``);
-        ``decode_backend`` "flashinfer" or "triton" (decode steps only; prefill is always FlashInfer).
+        ``decode_backend`` one of ``DECODE_ATTENTION_BACKENDS`` ("auto": triton), for decode steps only;
+        prefill is always FlashInfer.
 
         Float8 pools (unit scale): FlashInfer widens K/V to the query's type inside the kernel; to float16
         that is one instruction, to bf16 it is not (H200, batch 256 x 1,500 tokens, one layer: 0.35 ms with
@@ -84,13 +86,14 @@ class FlashInferBackend(AttentionBackend):
         self.kv_dtype = kv_dtype or dtype
         self.q_dtype = torch.float16 if self.kv_dtype.itemsize == 1 else dtype
         self.device = device
-        if decode_backend not in ("flashinfer", "triton"):
+        if decode_backend not in DECODE_ATTENTION_BACKENDS:
             raise ValueError(f"unknown decode backend {decode_backend!r}")
-        self.decode_backend = decode_backend
+        self.decode_backend = "triton" if decode_backend == "auto" else decode_backend
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
+        self.decode = (flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
+                       if self.decode_backend == "flashinfer" else None)
         self.kv_indices_buf = torch.zeros(max_kv_indices, dtype=torch.int32, device=device)
         self._planned: torch.cuda.Event | None = None  # recorded after the last plan's host-to-device copies
 

@@ -124,10 +124,9 @@ class ModelRunner:
             from rollout.attention.flashinfer_backend import FlashInferBackend
 
             max_indices = self.config.max_running_requests * (self.context_len + 1) + 1
-            decode = self.config.decode_attention_backend
             return FlashInferBackend(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling, self.dtype,
                                      self.device, max_indices, kv_dtype=self.kv_dtype,
-                                     decode_backend="triton" if decode == "auto" else decode)
+                                     decode_backend=self.config.decode_attention_backend)
         raise ValueError(f"attention backend {name!r} is not available")
 
     def _graph_runner(self):

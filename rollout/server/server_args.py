@@ -8,7 +8,7 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from rollout.config import KV_CACHE_DTYPES
+from rollout.config import ATTENTION_BACKENDS, DECODE_ATTENTION_BACKENDS, KV_CACHE_DTYPES
 
 # flag name → EngineConfig field, for options passed to the Engine only when given
 _ENGINE_OPTIONS = {
@@ -130,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--max-prefill-tokens", type=int, default=None)
     p.add_argument("--cpu-kv-cache-gb", type=float, default=None)
-    p.add_argument("--attention-backend", default=None, choices=["auto", "torch_native", "flashinfer"])
-    p.add_argument("--decode-attention-backend", default=None, choices=["auto", "flashinfer", "triton"],
+    p.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
+    p.add_argument("--decode-attention-backend", default=None, choices=DECODE_ATTENTION_BACKENDS,
                    help="decode kernel under the flashinfer backend (auto: triton)")
     p.add_argument("--random-seed", type=int, default=None)
     p.add_argument("--weight-version", default=None, help="the version reported before any update")
