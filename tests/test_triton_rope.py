@@ -1,28 +1,22 @@
 """Tests for rollout.layers.triton_rope (fused RoPE + KV-pool write) against RotaryEmbedding in torch.
 
-Without a CUDA device the kernel runs under Triton's CPU interpreter; TRITON_INTERPRET must be set
-before triton (and the module with its @triton.jit kernels) is imported.
+Without a CUDA device the kernel runs under Triton's CPU interpreter (see ``triton_interpreter``).
 """
 
 from __future__ import annotations
 
 import copy
-import os
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_interpreter import DEVICE, INTERPRETED  # first: sets up the interpreter before triton is imported
 
 import pytest  # noqa: E402
-import triton  # noqa: E402,F401  (imported after TRITON_INTERPRET is set, on purpose)
+import torch  # noqa: E402
 
 from rollout.distributed import TPGroup  # noqa: E402
 from rollout.layers.linear import QKVParallelLinear  # noqa: E402
 from rollout.layers.rotary import RotaryEmbedding  # noqa: E402
 from rollout.layers.triton_rope import rope_and_store_kv  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_POSITIONS = 4096
 NUM_SLOTS = 96
 SENTINEL = -3.5
@@ -131,7 +125,7 @@ def test_close_to_torch_bf16_path():
 # Triton's CPU interpreter emulates float8 conversion wrongly (e4m3: 0.49 -> 0.25; e5m2: 2.0 -> 1.0 now and
 # then), so this runs on a GPU only, where the hardware conversion must round to nearest exactly as
 # torch does: gpu_checks/run_gpu.sh kernels runs this file there (results in docs/benchmarks.md).
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's CPU interpreter miscasts float8; GPU check")
+@pytest.mark.skipif(INTERPRETED, reason="Triton's CPU interpreter miscasts float8; GPU check")
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
 def test_float8_kv_buffers_get_k_and_v_rounded_once(fp8, model_dtype):

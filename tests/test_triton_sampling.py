@@ -1,26 +1,19 @@
 """Tests for rollout.layers.triton_sampling (fused fast-path sampler) against the torch Sampler.
 
-Without a CUDA device the kernel runs under Triton's CPU interpreter; TRITON_INTERPRET must be set
-before triton (and the module with its @triton.jit kernels) is imported.
+Without a CUDA device the kernel runs under Triton's CPU interpreter (see ``triton_interpreter``).
 """
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_interpreter import DEVICE  # first: sets up the interpreter before triton is imported
 
 import pytest  # noqa: E402
-import triton  # noqa: E402,F401  (imported after TRITON_INTERPRET is set, on purpose)
+import torch  # noqa: E402
 
 from rollout.layers import triton_sampling  # noqa: E402
 from rollout.layers.sampler import Sampler, SamplingBatchInfo, SamplingRow, _to_int64, uniform_noise  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEG_INF = float("-inf")
 TEMPERATURES = [0.0, 0.3, 0.7, 1.0, 1.5]
 SEEDS = [2**70 + 3, -5, 2**64 - 1, 0, 123456789012345678901234, -(2**40)]
