@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 
-from triton_interpreter import DEVICE, INTERPRETED  # first: sets up the interpreter before triton is imported
+from triton_interpreter import DEVICE  # first: sets up the interpreter before triton is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -122,10 +122,8 @@ def test_close_to_torch_bf16_path():
     torch.testing.assert_close(k_buf[loc], k_torch, atol=4e-2, rtol=2e-2)
 
 
-# Triton's CPU interpreter emulates float8 conversion wrongly (e4m3: 0.49 -> 0.25; e5m2: 2.0 -> 1.0 now and
-# then), so this runs on a GPU only, where the hardware conversion must round to nearest exactly as
-# torch does: gpu_checks/run_gpu.sh kernels runs this file there (results in docs/benchmarks.md).
-@pytest.mark.skipif(INTERPRETED, reason="Triton's CPU interpreter miscasts float8; GPU check")
+# The hardware conversion must round to nearest exactly as torch does (tests/triton_interpreter makes the
+# CPU interpreter's float8 casts do the same; gpu_checks/run_gpu.sh kernels runs this file on a GPU).
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
 def test_float8_kv_buffers_get_k_and_v_rounded_once(fp8, model_dtype):

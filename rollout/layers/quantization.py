@@ -1,0 +1,100 @@
+"""Online FP8 (W8A8) quantization of linear layers: ``quantization="fp8"`` (SGLang's and vLLM's name).
+
+Weights are quantized when they are loaded (from disk, by a weight update, or by dummy init) from the
+Hugging Face tensor in the model dtype:
+
+- weight: float8_e4m3fn, one float32 scale per output row, ``scale = amax(|row|) / 448`` over the
+  *full* HF row, so the stored values do not depend on the tensor-parallel split;
+- activations: float8_e4m3fn with one dynamic scale per token (row), computed per call;
+- product: ``(x_q @ w_q^T) * x_scale * w_scale`` accumulated in float32, output in the model dtype.
+
+On CUDA (sm89+) the product is ``torch._scaled_mm`` with row-wise scales and the activation quantization
+is one Triton kernel; elsewhere the same arithmetic runs in float32 torch ops (the CPU reference).
+Quantization is deterministic (IEEE division, round-to-nearest-even cast), so a trainer can compute the
+served tensors exactly: ``weight_sync.fingerprint(..., quantization="fp8")``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+
+QUANTIZATION_METHODS = ("fp8",)
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # rows of zeros get this scale instead of 0
+# The Hugging Face weights an fp8 engine stores quantized (the projections of every decoder layer).
+_QUANTIZED_WEIGHT = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def is_quantized_weight(hf_name: str) -> bool:
+    """Whether ``hf_name`` is stored as fp8 + row scales under ``quantization="fp8"``."""
+    return bool(_QUANTIZED_WEIGHT.search(hf_name))
+
+
+def scale_name(hf_name: str) -> str:
+    """The name under which a quantized weight's row scales appear in fingerprints."""
+    return hf_name + "_scale"
+
+
+def quantize_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn tensor, float32 scales [rows]) with ``w ≈ q * scale[:, None]`` for a 2-D ``w``."""
+    if w.dim() != 2:
+        raise ValueError(f"fp8 row quantization needs a 2-D weight, got shape {tuple(w.shape)}")
+    wf = w.detach().float()
+    scale = (wf.abs().amax(dim=1) / FP8_MAX).clamp_min(_MIN_SCALE)
+    q = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_fp8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn [T, K], float32 scales [T, 1]): dynamic per-token quantization of a 2-D ``x``."""
+    if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
+        from rollout.layers.triton_quant import per_token_quant_fp8
+
+        return per_token_quant_fp8(x, FP8_MAX, _MIN_SCALE)
+    return quantize_fp8_tokens_torch(x)
+
+
+def quantize_fp8_tokens_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_fp8_tokens`` in torch ops (any device; the reference for the Triton kernel)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant(weight)^T + bias`` with x quantized per token; ``weight`` fp8 [N, K], scales [N]."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    xq, xs = quantize_fp8_tokens(x2)
+    if x.is_cuda and _scaled_mm_rowwise_ok(x.device):
+        out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
+    else:
+        out = ((xq.float() @ weight.float().t()) * xs * weight_scale.view(1, -1)).to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*shape[:-1], weight.shape[0])
+
+
+def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale[:, None]`` in ``dtype`` (what the engine effectively multiplies by)."""
+    return (q.float() * scale.view(-1, 1)).to(dtype)
+
+
+def _scaled_mm_rowwise_ok(device: torch.device) -> bool:
+    major, minor = torch.cuda.get_device_capability(device)
+    return (major, minor) >= (9, 0)
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``fp8_linear`` computes, in float32 torch ops (the reference for tests and GPU checks)."""
+    xq, xs = quantize_fp8_tokens_torch(x.reshape(-1, x.shape[-1]))
+    out = F.linear(xq.float() * xs, dequantize_fp8_rows(weight, weight_scale))
+    if bias is not None:
+        out = out + bias.float()
+    return out.view(*x.shape[:-1], weight.shape[0])
