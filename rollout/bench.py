@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from rollout.config import (ATTENTION_BACKENDS, DECODE_ATTENTION_BACKENDS, KV_CACHE_DTYPES, ModelConfig,
-                            kv_cache_torch_dtype)
+from rollout.config import (ATTENTION_BACKENDS, DECODE_ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_METHODS,
+                            ModelConfig, kv_cache_torch_dtype)
 
 MAX_SHARD_BYTES = 2 * 1024**3
 PRESET_NAMES = ("tiny", "qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b")
@@ -225,23 +225,27 @@ class ModelBytes:
     kv_bytes_per_token: int
 
 
-def model_bytes(cfg: ModelConfig, tp_size: int, elem_bytes: int, kv_elem_bytes: int | None = None) -> ModelBytes:
+def model_bytes(cfg: ModelConfig, tp_size: int, elem_bytes: int, kv_elem_bytes: int | None = None,
+                quantization: str | None = None) -> ModelBytes:
     """Count from the config, sharded as the engine shards: heads, MLP columns and vocabulary rows are
     split across ranks; norms are replicated; KV heads are replicated when ``tp_size > num_kv_heads``.
     A decode step reads every weight except an untied input-embedding table (only the batch's rows).
-    KV entries take ``kv_elem_bytes`` each (default: ``elem_bytes``, the model dtype)."""
+    KV entries take ``kv_elem_bytes`` each (default: ``elem_bytes``, the model dtype). Under
+    ``quantization="fp8"`` the projections take 1 byte per element plus a float32 scale per local row."""
     heads = cfg.num_heads // tp_size
     kv_heads = cfg.num_kv_heads // tp_size if cfg.num_kv_heads >= tp_size else 1
     vocab_rows = -(-cfg.vocab_size // tp_size)
     h, d = cfg.hidden_size, cfg.head_dim
     qkv_out = (heads + 2 * kv_heads) * d
-    layer = h * qkv_out + heads * d * h + 3 * h * (cfg.intermediate_size // tp_size) + 2 * h
-    layer += qkv_out if cfg.qkv_bias else 0
-    layer += 2 * d if cfg.qk_norm else 0
-    read = cfg.num_layers * layer + h + vocab_rows * h  # layers, final norm, LM head
-    stored = read + (0 if cfg.tie_word_embeddings else vocab_rows * h)
+    mlp = cfg.intermediate_size // tp_size
+    proj = h * qkv_out + heads * d * h + 3 * h * mlp  # qkv, o, gate_up, down
+    proj_rows = qkv_out + h + 2 * mlp + h
+    proj_bytes = proj + 4 * proj_rows if quantization == "fp8" else proj * elem_bytes
+    other = 2 * h + (qkv_out if cfg.qkv_bias else 0) + (2 * d if cfg.qk_norm else 0)  # norms, biases
+    read = cfg.num_layers * (proj_bytes + other * elem_bytes) + (h + vocab_rows * h) * elem_bytes  # + final norm, LM head
+    stored = read + (0 if cfg.tie_word_embeddings else vocab_rows * h * elem_bytes)
     kv = 2 * cfg.num_layers * kv_heads * d * (kv_elem_bytes or elem_bytes)
-    return ModelBytes(stored * elem_bytes, read * elem_bytes, kv)
+    return ModelBytes(stored, read, kv)
 
 
 def measure_copy_bandwidth(device: str, nbytes: int | None = None, repeats: int = 10) -> float:
@@ -374,7 +378,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine keyword options from the flags; presets skip the tokenizer (no detokenizer process)."""
     opts: dict[str, Any] = {"seed": args.seed, "skip_tokenizer_init": bool(args.preset)}
     for name in ("max_running_requests", "mem_fraction_static", "attention_backend", "decode_attention_backend",
-                 "kv_cache_dtype"):
+                 "kv_cache_dtype", "quantization"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     return opts
@@ -521,7 +525,8 @@ def build_report(args: argparse.Namespace, model_path: str, device: str, dtype: 
     report = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "model": model_path, "preset": args.preset, "device": device, "device_name": _device_name(device),
-        "dtype": dtype, "kv_cache_dtype": args.kv_cache_dtype or "auto", "tp_size": args.tp_size,
+        "dtype": dtype, "kv_cache_dtype": args.kv_cache_dtype or "auto", "quantization": args.quantization,
+        "tp_size": args.tp_size,
         "decode_attention_backend": args.decode_attention_backend or "auto",
         "workload": workload,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
@@ -543,7 +548,8 @@ def format_report(r: dict[str, Any]) -> str:
     w = r["workload"]
     lens = (f"lengths uniform in [{w['random_range'][0]}, {w['random_range'][1]}]" if w["random_range"]
             else f"input {w['input_len']}, output {w['output_len']} tokens")
-    lines = [f"model {r['model']} | {r['device_name']} | {r['dtype']} | KV {r.get('kv_cache_dtype', 'auto')} | "
+    lines = [f"model {r['model']} | {r['device_name']} | {r['dtype']} | weights {r.get('quantization') or r['dtype']} | "
+             f"KV {r.get('kv_cache_dtype', 'auto')} | "
              f"tp {r['tp_size']} | decode attention {r.get('decode_attention_backend', 'auto')}",
              f"workload: {w['num_prompts']} prompts, {lens}, temperature {w['temperature']}, seed {w['seed']}",
              f"{'':<22}{'engine':>14}{'hf generate':>14}"]
@@ -603,6 +609,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="decode kernel under the flashinfer backend (default auto: triton)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                    help="KV cache storage type (default auto: the model dtype); fp8 halves the KV bytes")
+    p.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
+                   help="online weight quantization (fp8: W8A8 projections; default none: the model dtype)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="a short untimed generate first (default on)")
     p.add_argument("--batch1-steps", type=int, default=0,
@@ -657,7 +665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           if args.hf_baseline else None)
     model_dtype = getattr(torch, dtype)
     kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype or "auto", model_dtype)
-    mb = model_bytes(cfg, args.tp_size, model_dtype.itemsize, kv_dtype.itemsize)
+    mb = model_bytes(cfg, args.tp_size, model_dtype.itemsize, kv_dtype.itemsize, args.quantization)
     report = build_report(args, model_path, device, dtype, work, engine, mb, bandwidth, hf)
     print(format_report(report), flush=True)
     if args.json:

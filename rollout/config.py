@@ -13,6 +13,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")  # auto: flashinfer on CUDA when installed
 DECODE_ATTENTION_BACKENDS = ("auto", "flashinfer", "triton")  # under flashinfer; auto: triton
+QUANTIZATION_METHODS = ("fp8",)  # online: a checkpoint in the model dtype, quantized as it loads
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,10 @@ class EngineConfig:
     ``decode_attention_backend`` (SGLang's name) picks the decode kernel under the flashinfer backend:
     "triton" (``rollout.attention.triton_decode``; "auto" picks it: faster than FlashInfer 0.6.6's on
     H200 for bf16 and fp8 pools) or "flashinfer".
+    ``quantization`` "fp8" (SGLang's and vLLM's online fp8) stores the decoder layers' projection
+    weights as float8_e4m3fn with per-row scales and quantizes their inputs per token
+    (``rollout.layers.quantization``): half the weight bytes and fp8 tensor-core GEMMs, at fp8
+    precision. Weight updates still send model-dtype tensors; the engine quantizes them as they land.
     """
 
     model_path: str
@@ -156,6 +161,7 @@ class EngineConfig:
     disable_overlap_schedule: bool = False
     fused_kernels: bool = True
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
     cuda_graph_max_bs: int = 256
     skip_tokenizer_init: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -177,6 +183,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         if self.dist_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"unknown dist_backend {self.dist_backend!r}")
 

@@ -254,6 +254,9 @@ class WeightUpdater:
         return [(name, *self.weight_map.local_view(name)) for name in self.weight_map.shapes]
 
     def fingerprint_parts(self) -> list[tuple[str, Any, str, int, int]]:
+        """Partial digests of every stored tensor (fp8 weights: their values and, as
+        ``scale_name(name)``, their row scales) for ``combine_fingerprint``."""
+        from rollout.layers.quantization import scale_name
         from weight_sync.fingerprint import dtype_name, partial_digest
 
         out = []
@@ -261,10 +264,21 @@ class WeightUpdater:
             full = self.weight_map.shapes[name]
             s1, s2 = partial_digest(view, full, spec.dim, spec.start)
             out.append((name, (spec.dim, spec.start, spec.length), dtype_name(view.dtype), s1, s2))
+            scales = self.weight_map.local_scale_view(name)
+            if scales is not None:
+                sview, sspec = scales
+                s1, s2 = partial_digest(sview, (full[0],), sspec.dim, sspec.start)
+                out.append((scale_name(name), (sspec.dim, sspec.start, sspec.length), dtype_name(sview.dtype), s1, s2))
         return out
 
     def local_tensor(self, name: str) -> tuple[torch.Tensor, Any]:
+        """This rank's part of ``name`` on the CPU (fp8 weights: dequantized to float32) and its shard."""
         view, spec = self.weight_map.local_view(name)
+        scales = self.weight_map.local_scale_view(name)
+        if scales is not None:
+            from rollout.layers.quantization import dequantize_fp8_rows
+
+            view = dequantize_fp8_rows(view, scales[0])
         return view.detach().to("cpu", copy=True), (spec.dim, spec.start, spec.length)
 
 

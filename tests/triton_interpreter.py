@@ -3,10 +3,10 @@
 Import this module before ``triton`` anywhere in a test: without CUDA it sets TRITON_INTERPRET and
 patches two bugs of Triton 3.6's interpreter (compiled kernels are unaffected):
 - a loaded scalar as a ``tl.range`` bound: it calls ``int(ndarray_of_shape_1)``, which numpy 2 refuses;
-- ``tl.dot`` of bfloat16 operands: it multiplies their raw uint16 bit patterns as integers (here they
-  are widened to float32 first, exactly);
-- casts to float8: it truncates mantissa bits and clamps e4m3fn's exponent wrongly (here torch's
-  round-to-nearest-even cast does them, as the GPU's ``cvt.rn`` does).
+- ``tl.dot`` of bfloat16 or float8 operands: it multiplies their raw bit patterns as integers (here
+  they are widened to float32 first, exactly);
+- casts to float8 and bfloat16: it truncates mantissa bits (and clamps e4m3fn's exponent wrongly);
+  here torch's round-to-nearest-even cast does them, as the GPU's ``cvt.rn`` does.
 """
 
 from __future__ import annotations
@@ -32,10 +32,14 @@ if INTERPRETED:
         import numpy as np
         import triton.language as tl
 
-        if handle.dtype != tl.bfloat16:
-            return handle
-        bits = handle.data.astype(np.uint32) << 16
-        return _interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        if handle.dtype == tl.bfloat16:
+            bits = handle.data.astype(np.uint32) << 16
+            return _interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        fp8 = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}.get(handle.dtype)
+        if fp8 is not None:  # raw uint8 bits -> their float32 values
+            bits = torch.from_numpy(np.ascontiguousarray(handle.data).view(np.uint8))
+            return _interpreter.TensorHandle(bits.view(fp8).float().numpy(), tl.float32)
+        return handle
 
     _create_dot = _interpreter.InterpreterBuilder.create_dot
 
@@ -43,20 +47,33 @@ if INTERPRETED:
         return _create_dot(self, _bf16_as_float32(a), _bf16_as_float32(b), d, input_precision,
                            max_num_imprecise_acc)
 
-    _create_fp_to_fp = _interpreter.InterpreterBuilder.create_fp_to_fp
-
-    def _create_fp_to_fp_rne(self, src, dst_type, rounding_mode):
+    def _rounded_cast(src, dst_type):
+        """``src`` cast to a float8 or bfloat16 ``dst_type`` by torch (round to nearest even); None for
+        other casts."""
         import numpy as np
         import triton.language as tl
 
-        fp8 = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}.get(dst_type.scalar)
-        if fp8 is None or src.dtype.scalar not in (tl.float32, tl.float16, tl.bfloat16):
-            return _create_fp_to_fp(self, src, dst_type, rounding_mode)
+        narrow = {tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8), tl.float8e5: (torch.float8_e5m2, torch.uint8),
+                  tl.bfloat16: (torch.bfloat16, torch.int16)}.get(dst_type.scalar)
+        if narrow is None or src.dtype.scalar not in (tl.float32, tl.float16, tl.bfloat16):
+            return None
         wide = _bf16_as_float32(src).data.astype(np.float32)
-        out = torch.from_numpy(np.ascontiguousarray(wide)).to(fp8).view(torch.uint8).numpy()
-        return _interpreter.TensorHandle(out, dst_type.scalar)
+        out = torch.from_numpy(np.ascontiguousarray(wide)).to(narrow[0]).view(narrow[1]).numpy()
+        return _interpreter.TensorHandle(out.view(np.uint16) if narrow[1] == torch.int16 else out, dst_type.scalar)
+
+    _create_fp_to_fp = _interpreter.InterpreterBuilder.create_fp_to_fp
+    _create_fp_trunc = _interpreter.InterpreterBuilder.create_fp_trunc
+
+    def _create_fp_to_fp_rne(self, src, dst_type, rounding_mode):
+        out = _rounded_cast(src, dst_type)
+        return _create_fp_to_fp(self, src, dst_type, rounding_mode) if out is None else out
+
+    def _create_fp_trunc_rne(self, src, dst_type):
+        out = _rounded_cast(src, dst_type)
+        return _create_fp_trunc(self, src, dst_type) if out is None else out
 
     if getattr(_interpreter._patch_lang_tensor, "__name__", "") != "_patch_lang_tensor_numpy2":
         _interpreter._patch_lang_tensor = _patch_lang_tensor_numpy2
         _interpreter.InterpreterBuilder.create_dot = _create_dot_bf16
         _interpreter.InterpreterBuilder.create_fp_to_fp = _create_fp_to_fp_rne
+        _interpreter.InterpreterBuilder.create_fp_trunc = _create_fp_trunc_rne

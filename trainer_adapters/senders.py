@@ -84,9 +84,11 @@ def full_named_parameters(model: Any, backend: str = "auto") -> list[tuple[str, 
     return list(param_source(model, backend).named_full_tensors())
 
 
-def trainer_fingerprint(model: Any, dtype: torch.dtype | str | None = None, backend: str = "auto") -> str:
+def trainer_fingerprint(model: Any, dtype: torch.dtype | str | None = None, backend: str = "auto",
+                        quantization: str | None = None) -> str:
     """``weight_sync.fingerprint`` of the full weights; equals the engines' ``weights_fingerprint()`` after
-    a sync exactly when they hold the same weights (pass the engine's dtype). Collective when sharded."""
+    a sync exactly when they hold the same weights (pass the engine's dtype and quantization).
+    Collective when sharded."""
     from weight_sync.fingerprint import fingerprint
 
-    return fingerprint(full_named_parameters(model, backend), dtype=dtype)
+    return fingerprint(full_named_parameters(model, backend), dtype=dtype, quantization=quantization)

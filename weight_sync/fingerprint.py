@@ -124,11 +124,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def fingerprint(model_or_tensors: Any, dtype: torch.dtype | str | None = None,
-                names: Iterable[str] | None = None) -> str:
+                names: Iterable[str] | None = None, quantization: str | None = None) -> str:
     """The fingerprint of a trainer-side model (its ``named_parameters``) or of ``(name, tensor)`` pairs.
 
     ``dtype`` casts each tensor first (pass the engine's dtype when the trainer keeps float32 master
     weights and the engine serves bfloat16). ``names`` restricts the set (default: all parameters).
+    ``quantization`` is the engine's (``"fp8"``): the weights it stores quantized enter as the fp8
+    values and row scales the engine computes from them (``rollout.layers.quantization``).
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -144,9 +146,24 @@ def fingerprint(model_or_tensors: Any, dtype: torch.dtype | str | None = None,
                 t = t.full_tensor()
             if dtype is not None:
                 t = t.to(dtype)
-            s1, s2 = partial_digest(t, tuple(t.shape), None, 0)
-            entries.append((name, tuple(t.shape), dtype_name(t.dtype), s1, s2))
+            for entry_name, entry in _stored_tensors(name, t, quantization):
+                s1, s2 = partial_digest(entry, tuple(entry.shape), None, 0)
+                entries.append((entry_name, tuple(entry.shape), dtype_name(entry.dtype), s1, s2))
     return combine(entries)
+
+
+def _stored_tensors(name: str, t: torch.Tensor, quantization: str | None) -> list[tuple[str, torch.Tensor]]:
+    """What an engine with ``quantization`` stores for HF tensor ``name``: itself, or fp8 values + scales."""
+    if quantization is None:
+        return [(name, t)]
+    from rollout.layers.quantization import is_quantized_weight, quantize_fp8_rows, scale_name
+
+    if quantization != "fp8":
+        raise ValueError(f"unknown quantization {quantization!r}")
+    if not is_quantized_weight(name):
+        return [(name, t)]
+    q, scale = quantize_fp8_rows(t)
+    return [(name, q), (scale_name(name), scale)]
 
 
 def _named_tensors(obj: Any) -> list[tuple[str, torch.Tensor]]:

@@ -7,6 +7,10 @@ fingerprint all use:
   part of one Hugging Face tensor, and where that part sits in the full tensor;
 - ``weight_loader(param, full_tensor, shard_id=None)``: copy this rank's part of ``full_tensor`` into
   that view (``copy_``, never rebinding, so CUDA graphs and IPC handles stay valid).
+
+With ``quant="fp8"`` a layer's ``weight`` is float8_e4m3fn and a float32 ``weight_scale`` [local rows]
+sits beside it (``weight.scale`` points to it); the loader quantizes the full HF tensor's rows as it
+copies (``rollout.layers.quantization``), and ``forward`` runs ``fp8_linear``.
 """
 
 from __future__ import annotations
@@ -48,9 +52,33 @@ def load_shard(param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) ->
     view.copy_(part)
 
 
-def attach(param: nn.Parameter, shard_view: ShardViewFn) -> nn.Parameter:
+def load_fp8_shard(param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
+    """``weight_loader`` of an fp8 weight: quantize this rank's part of ``full`` with its full rows' scales."""
+    from rollout.layers.quantization import fp8_row_scales, quantize_fp8_rows
+
+    view, spec = param.shard_view(param, shard_id)
+    scale_view, rows = scale_shard(param, shard_id)
+    part = spec.take(full)
+    if part.shape != view.shape:
+        raise ValueError(f"shape mismatch: expected {tuple(view.shape)} for this shard, got {tuple(part.shape)}")
+    part = part.to(view.device)
+    scale = fp8_row_scales(full.to(view.device) if spec.dim == 1 else part)
+    q, scale = quantize_fp8_rows(part, scale)
+    view.copy_(q)
+    scale_view.copy_(scale)
+
+
+def scale_shard(param: nn.Parameter, shard_id: Any = None) -> tuple[torch.Tensor, ShardSpec]:
+    """(this rank's view of an fp8 weight's row scales, its ShardSpec in the full [rows] scale vector):
+    the rows the weight view holds; all of them when the weight is split by columns."""
+    view, spec = param.shard_view(param.scale, shard_id)
+    return (view, spec) if spec.dim == 0 else (param.scale.data, ShardSpec())
+
+
+def attach(param: nn.Parameter, shard_view: ShardViewFn, scale: nn.Parameter | None = None) -> nn.Parameter:
     param.shard_view = shard_view
-    param.weight_loader = load_shard
+    param.weight_loader = load_shard if scale is None else load_fp8_shard
+    param.scale = scale
     return param
 
 
@@ -68,31 +96,56 @@ def _new_param(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> nn.Pa
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
+class _QuantizableLinear(nn.Module):
+    """The weight (model dtype, or fp8 + ``weight_scale`` under ``quant="fp8"``) and its matmul."""
+
+    def _make_weight(self, shape: tuple[int, int], dtype: torch.dtype, device: Any, quant: str | None,
+                     shard_view: ShardViewFn) -> None:
+        if quant not in (None, "fp8"):
+            raise ValueError(f"unsupported quantization {quant!r}")
+        self.quant = quant
+        if quant is None:
+            self.weight = attach(_new_param(shape, dtype, device), shard_view)
+            return
+        from rollout.layers.quantization import FP8_DTYPE
+
+        self.weight_scale = _new_param((shape[0],), torch.float32, device)
+        self.weight = attach(_new_param(shape, FP8_DTYPE, device), shard_view, self.weight_scale)
+        self.weight.dequant_dtype = dtype
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is None:
+            return F.linear(x, self.weight, bias)
+        from rollout.layers.quantization import fp8_linear
+
+        return fp8_linear(x, self.weight, self.weight_scale, bias)
+
+
+class ColumnParallelLinear(_QuantizableLinear):
     """y = x W^T + b with W's output rows split across ranks; the output stays sharded."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
-                 dtype: torch.dtype, device: Any = None) -> None:
+                 dtype: torch.dtype, device: Any = None, quant: str | None = None) -> None:
         super().__init__()
         self.tp = tp
         self.out_local = _split(out_features, tp, "output size")
-        self.weight = attach(_new_param((self.out_local, in_features), dtype, device), self._row_view)
+        self._make_weight((self.out_local, in_features), dtype, device, quant, self._row_view)
         self.bias = attach(_new_param((self.out_local,), dtype, device), self._row_view) if bias else None
 
     def _row_view(self, param: nn.Parameter, shard_id: Any = None) -> tuple[torch.Tensor, ShardSpec]:
         return param.data, ShardSpec(0, self.tp.rank * self.out_local, self.out_local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs fused into one matmul (``gate_up_proj``); shard_id = 0, 1, ..."""
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPGroup,
-                 dtype: torch.dtype, device: Any = None) -> None:
+                 dtype: torch.dtype, device: Any = None, quant: str | None = None) -> None:
         self.local_sizes = [_split(n, tp, "output size") for n in out_sizes]
-        super().__init__(in_features, sum(out_sizes), bias, tp, dtype, device)
+        super().__init__(in_features, sum(out_sizes), bias, tp, dtype, device, quant)
 
     def _row_view(self, param: nn.Parameter, shard_id: Any = None) -> tuple[torch.Tensor, ShardSpec]:
         if shard_id is None:
@@ -106,7 +159,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection split by heads; KV heads are replicated when tp_size > num_kv_heads."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 tp: TPGroup, dtype: torch.dtype, device: Any = None) -> None:
+                 tp: TPGroup, dtype: torch.dtype, device: Any = None, quant: str | None = None) -> None:
         self.head_dim = head_dim
         self.num_heads = _split(num_heads, tp, "num_attention_heads")
         if num_kv_heads >= tp.size:
@@ -119,7 +172,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.kv_shard = tp.rank // (tp.size // num_kv_heads)
         total_local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        super().__init__(hidden_size, total_local * tp.size, bias, tp, dtype, device)
+        super().__init__(hidden_size, total_local * tp.size, bias, tp, dtype, device, quant)
 
     def _row_view(self, param: nn.Parameter, shard_id: Any = None) -> tuple[torch.Tensor, ShardSpec]:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -135,15 +188,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split([q, kv, kv], dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_QuantizableLinear):
     """y = all_reduce(x_shard W_shard^T) + b with W's input columns split across ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
-                 dtype: torch.dtype, device: Any = None) -> None:
+                 dtype: torch.dtype, device: Any = None, quant: str | None = None) -> None:
         super().__init__()
         self.tp = tp
         self.in_local = _split(in_features, tp, "input size")
-        self.weight = attach(_new_param((out_features, self.in_local), dtype, device), self._col_view)
+        self._make_weight((out_features, self.in_local), dtype, device, quant, self._col_view)
         self.bias = attach(_new_param((out_features,), dtype, device), replicated_view) if bias else None
 
     def _col_view(self, param: nn.Parameter, shard_id: Any = None) -> tuple[torch.Tensor, ShardSpec]:
@@ -151,6 +204,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        y = self.tp.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias

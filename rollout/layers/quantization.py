@@ -3,13 +3,15 @@
 Weights are quantized when they are loaded (from disk, by a weight update, or by dummy init) from the
 Hugging Face tensor in the model dtype:
 
-- weight: float8_e4m3fn, one float32 scale per output row, ``scale = amax(|row|) / 448`` over the
+- weight: float8_e4m3fn, one float32 scale per output row, ``scale = amax(|row|) · (1/448)`` over the
   *full* HF row, so the stored values do not depend on the tensor-parallel split;
-- activations: float8_e4m3fn with one dynamic scale per token (row), computed per call;
+- activations: float8_e4m3fn with one dynamic scale per token (row), computed per call (under tensor
+  parallelism a row-parallel layer, o_proj or down_proj, scales each rank's slice of the row: one
+  scale per token per rank, as SGLang's and vLLM's per-token fp8 does);
 - product: ``(x_q @ w_q^T) * x_scale * w_scale`` accumulated in float32, output in the model dtype.
 
-On CUDA (sm89+) the product is ``torch._scaled_mm`` with row-wise scales and the activation quantization
-is one Triton kernel; elsewhere the same arithmetic runs in float32 torch ops (the CPU reference).
+On CUDA (sm90: row-wise ``torch._scaled_mm``) the product is ``fp8_linear``'s choice of kernel and the
+activation quantization is one Triton kernel; elsewhere the same arithmetic runs in float32 torch ops (the CPU reference).
 Quantization is deterministic (IEEE division, round-to-nearest-even cast), so a trainer can compute the
 served tensors exactly: ``weight_sync.fingerprint(..., quantization="fp8")``.
 """
@@ -21,9 +23,13 @@ import re
 import torch
 import torch.nn.functional as F
 
-QUANTIZATION_METHODS = ("fp8",)
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# Scales are amax * (float32 1/448), a correctly rounded multiply that torch (CPU and CUDA) and Triton
+# all compute alike (torch turns a division by a Python scalar into this multiply on CUDA but not on CPU).
+INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
+# Where Triton's fp8_gemm beats torch._scaled_mm's CUTLASS kernels (gpu_checks/bench_fp8_gemm.py, H200).
+TRITON_GEMM_MAX_TOKENS = 16
 _MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # rows of zeros get this scale instead of 0
 # The Hugging Face weights an fp8 engine stores quantized (the projections of every decoder layer).
 _QUANTIZED_WEIGHT = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
@@ -39,13 +45,18 @@ def scale_name(hf_name: str) -> str:
     return hf_name + "_scale"
 
 
-def quantize_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn tensor, float32 scales [rows]) with ``w ≈ q * scale[:, None]`` for a 2-D ``w``."""
+def fp8_row_scales(w: torch.Tensor) -> torch.Tensor:
+    """float32 [rows]: ``max(amax(|row|) · (1/448), min)`` of a 2-D ``w``."""
     if w.dim() != 2:
         raise ValueError(f"fp8 row quantization needs a 2-D weight, got shape {tuple(w.shape)}")
-    wf = w.detach().float()
-    scale = (wf.abs().amax(dim=1) / FP8_MAX).clamp_min(_MIN_SCALE)
-    q = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (w.detach().abs().amax(dim=1).float() * INV_FP8_MAX).clamp_min(_MIN_SCALE)
+
+
+def quantize_fp8_rows(w: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn tensor, float32 scales [rows]) with ``w ≈ q * scale[:, None]`` for a 2-D ``w``;
+    ``scale`` (default ``fp8_row_scales(w)``) lets a column slice use its full rows' scales."""
+    scale = fp8_row_scales(w) if scale is None else scale
+    q = (w.detach().float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
 
@@ -54,24 +65,32 @@ def quantize_fp8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
         from rollout.layers.triton_quant import per_token_quant_fp8
 
-        return per_token_quant_fp8(x, FP8_MAX, _MIN_SCALE)
+        return per_token_quant_fp8(x, FP8_MAX, INV_FP8_MAX, _MIN_SCALE)
     return quantize_fp8_tokens_torch(x)
 
 
 def quantize_fp8_tokens_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_fp8_tokens`` in torch ops (any device; the reference for the Triton kernel)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
+    scale = (xf.abs().amax(dim=-1, keepdim=True) * INV_FP8_MAX).clamp_min(_MIN_SCALE)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ dequant(weight)^T + bias`` with x quantized per token; ``weight`` fp8 [N, K], scales [N]."""
+    """``x @ dequant(weight)^T + bias`` with x quantized per token; ``weight`` fp8 [N, K], scales [N].
+
+    CUDA: up to ``TRITON_GEMM_MAX_TOKENS`` tokens the Triton ``fp8_gemm`` (bandwidth-bound decode),
+    above that ``torch._scaled_mm`` with row-wise scales; elsewhere float32 torch ops.
+    """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     xq, xs = quantize_fp8_tokens(x2)
-    if x.is_cuda and _scaled_mm_rowwise_ok(x.device):
+    if x.is_cuda and x2.shape[0] <= TRITON_GEMM_MAX_TOKENS:
+        from rollout.layers.triton_fp8_gemm import fp8_gemm
+
+        out = fp8_gemm(xq, xs, weight, weight_scale, x.dtype)
+    elif x.is_cuda:
         out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
     else:
         out = ((xq.float() @ weight.float().t()) * xs * weight_scale.view(1, -1)).to(x.dtype)
@@ -83,11 +102,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * scale[:, None]`` in ``dtype`` (what the engine effectively multiplies by)."""
     return (q.float() * scale.view(-1, 1)).to(dtype)
-
-
-def _scaled_mm_rowwise_ok(device: torch.device) -> bool:
-    major, minor = torch.cuda.get_device_capability(device)
-    return (major, minor) >= (9, 0)
 
 
 def reference_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -3,8 +3,8 @@
 
 The torch version launches five kernels and writes a float32 copy of the activations, which costs about
 half as much as the fp8 GEMM itself on an 8192-token prefill chunk; this reads each row twice (the
-second time from L2) and writes it once as fp8. Divisions are correctly rounded, so the result is
-bit-identical to the torch version.
+second time from L2) and writes it once as fp8. The scale multiply and the division are correctly
+rounded, so the result is bit-identical to the torch version.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, x_stride, q_stride, fp8_max, min_scale,
+def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, x_stride, q_stride, fp8_max, inv_fp8_max, min_scale,
                             BLOCK: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * x_stride
@@ -27,7 +27,7 @@ def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, x_stride, q_stride, fp8_
         cols = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), fp8_max), min_scale)
+    scale = tl.maximum(tl.max(amax, axis=0) * inv_fp8_max, min_scale)
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
@@ -37,9 +37,9 @@ def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, x_stride, q_stride, fp8_
         tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def per_token_quant_fp8(x: torch.Tensor, fp8_max: float, min_scale: float
+def per_token_quant_fp8(x: torch.Tensor, fp8_max: float, inv_fp8_max: float, min_scale: float
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn [T, K], float32 [T, 1]) with ``scale = max(amax(|x_t|) / fp8_max, min_scale)``
+    """(float8_e4m3fn [T, K], float32 [T, 1]) with ``scale = max(amax(|x_t|) * inv_fp8_max, min_scale)``
     and ``q = clamp(x / scale, ±fp8_max)`` rounded to nearest even; ``x`` is 2-D with unit last stride."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError("per_token_quant_fp8 needs a 2-D tensor with contiguous rows")
@@ -47,6 +47,6 @@ def per_token_quant_fp8(x: torch.Tensor, fp8_max: float, min_scale: float
     q = torch.empty((t, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
     if t:
-        _per_token_quant_kernel[(t,)](x, q, scale, k, x.stride(0), q.stride(0), fp8_max, min_scale,
+        _per_token_quant_kernel[(t,)](x, q, scale, k, x.stride(0), q.stride(0), fp8_max, inv_fp8_max, min_scale,
                                       BLOCK=_BLOCK, num_warps=4)
     return q, scale

@@ -72,7 +72,8 @@ class ModelRunner:
         fused = (config.fused_kernels and device.type == "cuda" and _has_module("flashinfer")
                  and _has_module("triton"))
         self.model, self.weight_map = build_model(model_cfg, config.model_path, self.context_len, tp,
-                                                  self.dtype, device, config.load_format, config.seed, fused)
+                                                  self.dtype, device, config.load_format, config.seed, fused,
+                                                  config.quantization)
         attn = self.model.model.layers[0].self_attn.attn
         self.num_slots = self._kv_slots(attn.num_kv_heads)
         self.context_len = min(self.context_len, self.num_slots - 1)

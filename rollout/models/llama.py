@@ -20,11 +20,12 @@ from rollout.model_executor.forward_batch import ForwardBatch
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup,
-                 dtype: torch.dtype, device: Any, fused: bool = False) -> None:
+                 dtype: torch.dtype, device: Any, fused: bool = False, quant: str | None = None) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          cfg.qkv_bias, tp, dtype, device)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, dtype, device)
+                                          cfg.qkv_bias, tp, dtype, device, quant)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, dtype, device,
+                                        quant)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, fused) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, fused) if cfg.qk_norm else None
         self.rotary = rotary
@@ -53,11 +54,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: Any, fused: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: Any, fused: bool = False,
+                 quant: str | None = None) -> None:
         super().__init__()
         size = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], False, tp, dtype, device)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp, dtype, device)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], False, tp, dtype, device,
+                                                       quant)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp, dtype, device, quant)
         self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,10 +77,10 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is passed along so norms can fuse the add (HF's order)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup,
-                 dtype: torch.dtype, device: Any, fused: bool = False) -> None:
+                 dtype: torch.dtype, device: Any, fused: bool = False, quant: str | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary, tp, dtype, device, fused)
-        self.mlp = LlamaMLP(cfg, tp, dtype, device, fused)
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary, tp, dtype, device, fused, quant)
+        self.mlp = LlamaMLP(cfg, tp, dtype, device, fused, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
 
@@ -94,12 +97,12 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup, dtype: torch.dtype, device: Any,
-                 fused: bool = False) -> None:
+                 fused: bool = False, quant: str | None = None) -> None:
         super().__init__()
         inv_freq, scaling = rope_inv_freq(cfg.raw, cfg.rope, cfg.head_dim)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, inv_freq, scaling, dtype, device)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, tp, dtype, device, fused)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, tp, dtype, device, fused, quant)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
         self.rotary = rotary
@@ -116,14 +119,15 @@ class LlamaForCausalLM(nn.Module):
     """Causal LM whose ``forward`` returns the logits of each request's last new token [B, vocab].
 
     ``fused=True`` (CUDA with FlashInfer) uses fused add+RMSNorm and SiLU·mul kernels; the default
-    torch path computes exactly what transformers computes.
+    torch path computes exactly what transformers computes. ``quant="fp8"`` stores the decoder layers'
+    projections in fp8 (``rollout.layers.quantization``); embeddings, norms and the LM head stay as they are.
     """
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup, dtype: torch.dtype, device: Any,
-                 fused: bool = False) -> None:
+                 fused: bool = False, quant: str | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions, tp, dtype, device, fused)
+        self.model = LlamaModel(cfg, max_positions, tp, dtype, device, fused, quant)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

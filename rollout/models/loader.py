@@ -72,11 +72,11 @@ def load_weights(weight_map: HFWeightMap, tensors: Iterator[tuple[str, torch.Ten
 
 
 def build_model(cfg: ModelConfig, model_path: str | None, max_positions: int, tp: TPGroup,
-                dtype: torch.dtype, device: Any, load_format: str = "auto", seed: int = 0, fused: bool = False
-                ) -> tuple[LlamaForCausalLM, HFWeightMap]:
+                dtype: torch.dtype, device: Any, load_format: str = "auto", seed: int = 0, fused: bool = False,
+                quant: str | None = None) -> tuple[LlamaForCausalLM, HFWeightMap]:
     """The model with its weights loaded from ``model_path``; ``load_format="dummy"`` fills them with
     seeded random values instead (vLLM's dummy format, for benchmarks); no path leaves them unset."""
-    model = LlamaForCausalLM(cfg, max_positions, tp, dtype, device, fused).eval()
+    model = LlamaForCausalLM(cfg, max_positions, tp, dtype, device, fused, quant).eval()
     weight_map = HFWeightMap(model, cfg)
     if load_format == "dummy":
         init_dummy_weights(weight_map, seed)
@@ -86,11 +86,22 @@ def build_model(cfg: ModelConfig, model_path: str | None, max_positions: int, tp
 
 
 def init_dummy_weights(weight_map: HFWeightMap, seed: int) -> None:
-    """Norm weights 1, everything else N(0, 0.02), from a generator seeded per rank."""
+    """Norm weights 1, everything else N(0, 0.02), from a generator seeded per rank (an fp8 weight:
+    those values in its model dtype, quantized; its ``weight_scale`` follows from them)."""
     with torch.no_grad():
         for name, param in weight_map.params.items():
             if "norm" in name:
                 param.fill_(1.0)
                 continue
+            if name.endswith(".weight_scale"):
+                continue
             gen = torch.Generator(device=param.device).manual_seed(seed + sum(map(ord, name)))
-            param.normal_(0.0, 0.02, generator=gen)
+            if getattr(param, "scale", None) is None:
+                param.normal_(0.0, 0.02, generator=gen)
+                continue
+            from rollout.layers.quantization import quantize_fp8_rows
+
+            values = torch.empty(param.shape, dtype=param.dequant_dtype, device=param.device)
+            q, scale = quantize_fp8_rows(values.normal_(0.0, 0.02, generator=gen))
+            param.copy_(q)
+            param.scale.copy_(scale)

@@ -104,3 +104,23 @@ class HFWeightMap:
         """(this rank's view of ``hf_name``, its ShardSpec in the full tensor)."""
         param, shard_id = self.resolve(hf_name)
         return param.shard_view(param, shard_id)
+
+    def local_scale_view(self, hf_name: str):
+        """(this rank's view of the row scales of fp8-stored ``hf_name``, its ShardSpec in the full
+        [rows] vector), or None when ``hf_name`` is stored unquantized."""
+        from rollout.layers.linear import scale_shard
+
+        param, shard_id = self.resolve(hf_name)
+        return None if getattr(param, "scale", None) is None else scale_shard(param, shard_id)
+
+    @property
+    def fingerprint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """``shapes`` plus, for each fp8-stored weight, its row scales under ``scale_name(name)``."""
+        from rollout.layers.quantization import scale_name
+
+        out = dict(self.shapes)
+        for name, shape in self.shapes.items():
+            param, _ = self.resolve(name)
+            if getattr(param, "scale", None) is not None:
+                out[scale_name(name)] = (shape[0],)
+        return out

@@ -205,7 +205,7 @@ class WeightUpdateMixin:
         parts = self.tp.gather_object(self.updater.fingerprint_parts())
         if self.tp.rank != 0:
             return ""
-        return combine_fingerprint(parts, self.updater.weight_map.shapes)
+        return combine_fingerprint(parts, self.updater.weight_map.fingerprint_shapes)
 
     # ---- internals ----------------------------------------------------------------------------
 

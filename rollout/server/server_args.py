@@ -8,7 +8,7 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from rollout.config import ATTENTION_BACKENDS, DECODE_ATTENTION_BACKENDS, KV_CACHE_DTYPES
+from rollout.config import ATTENTION_BACKENDS, DECODE_ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 # flag name → EngineConfig field, for options passed to the Engine only when given
 _ENGINE_OPTIONS = {
@@ -27,6 +27,7 @@ _ENGINE_OPTIONS = {
     "load_format": "load_format",
     "log_interval": "log_interval_s",
     "kv_cache_dtype": "kv_cache_dtype",
+    "quantization": "quantization",
 }
 
 
@@ -56,6 +57,7 @@ class ServerArgs:
     weight_version: str | None = None
     load_format: str | None = None
     kv_cache_dtype: str | None = None
+    quantization: str | None = None
     disable_radix_cache: bool = False
     keep_weight_copy: bool = False
     log_level: str = "info"
@@ -138,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"])
     p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
                    help="KV cache storage type (default auto: the model dtype)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                   help="online weight quantization (fp8: W8A8 projections, quantized as weights load)")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--keep-weight-copy", action="store_true", help="enable /rollback_weights")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
