@@ -17,7 +17,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from rollout.layers.quantization import (fp8_linear, quantize_fp8_rows, quantize_fp8_tokens,
+from rollout.layers.quantization import (TRITON_GEMM_MAX_TOKENS, fp8_linear, quantize_fp8_rows, quantize_fp8_tokens,
                                          quantize_fp8_tokens_torch, reference_linear)
 from rollout.layers.triton_fp8_gemm import GemmLaunch, default_launch, fp8_gemm
 
@@ -93,7 +93,7 @@ def main() -> None:
             if t <= 256:
                 err_t = rel_err(fp8_gemm(xq, xs, wq, ws, torch.float32), ref)
                 trit = time_ms(lambda: fp8_gemm(xq, xs, wq, ws, torch.bfloat16))
-                if args.sweep:
+                if args.sweep and t <= TRITON_GEMM_MAX_TOKENS:
                     timed = []
                     for launch in sweep_launches(t):
                         try:
