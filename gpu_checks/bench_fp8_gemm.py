@@ -6,7 +6,7 @@ Checks that the Triton per-token quantization is bit-identical to the torch vers
 products (``torch._scaled_mm`` row-wise, the Triton ``fp8_gemm``) match their float32 reference; then
 times, per projection shape and token count, inside CUDA graphs (as decode runs): bf16 ``F.linear``,
 ``_scaled_mm``, ``fp8_gemm`` with its default launch (``--sweep``: every launch of a small grid) and
-the whole ``fp8_linear`` (activation quantization included: inside ``fp8_gemm`` up to 16 tokens).
+the whole ``fp8_linear`` (activation quantization included).
 """
 
 from __future__ import annotations

@@ -80,22 +80,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant(weight)^T + bias`` with x quantized per token; ``weight`` fp8 [N, K], scales [N].
 
-    CUDA: up to ``TRITON_GEMM_MAX_TOKENS`` tokens the Triton ``fp8_gemm``, quantizing x inside
-    (bandwidth-bound decode: one launch), above that the Triton quantization then ``torch._scaled_mm``
-    with row-wise scales; elsewhere float32 torch ops. All compute the same quantized product.
+    CUDA: up to ``TRITON_GEMM_MAX_TOKENS`` tokens the Triton ``fp8_gemm`` (bandwidth-bound decode),
+    above that ``torch._scaled_mm`` with row-wise scales; elsewhere float32 torch ops.
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if x.is_cuda and x2.shape[0] <= TRITON_GEMM_MAX_TOKENS and x2.stride(-1) == 1:
+    xq, xs = quantize_fp8_tokens(x2)
+    if x.is_cuda and x2.shape[0] <= TRITON_GEMM_MAX_TOKENS:
         from rollout.layers.triton_fp8_gemm import fp8_gemm
 
-        out = fp8_gemm(x2, None, weight, weight_scale, x.dtype)
+        out = fp8_gemm(xq, xs, weight, weight_scale, x.dtype)
+    elif x.is_cuda:
+        out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
     else:
-        xq, xs = quantize_fp8_tokens(x2)
-        if x.is_cuda:
-            out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
-        else:
-            out = ((xq.float() @ weight.float().t()) * xs * weight_scale.view(1, -1)).to(x.dtype)
+        out = ((xq.float() @ weight.float().t()) * xs * weight_scale.view(1, -1)).to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.view(*shape[:-1], weight.shape[0])

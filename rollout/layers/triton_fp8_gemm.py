@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.layers.quantization import _MIN_SCALE, FP8_MAX, INV_FP8_MAX
-
 
 @dataclass(frozen=True)
 class GemmLaunch:
@@ -29,22 +27,7 @@ class GemmLaunch:
 
 
 @triton.jit
-def _row_scales(a_ptr, rows, row_ok, K, stride_am, fp8_max, inv_fp8_max, min_scale,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Per-row fp8 scales of a higher-precision [BLOCK_M, K] tile: max(amax · (1/448), min), as
-    ``per_token_quant_fp8`` computes them."""
-    amax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    ks = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        mask = row_ok[:, None] & ((k0 + ks) < K)[None, :]
-        x = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am + (k0 + ks)[None, :], mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    return tl.maximum(tl.max(amax, axis=1) * inv_fp8_max, min_scale)
-
-
-@triton.jit
 def _fp8_gemm_kernel(a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, M, N, K, stride_am, stride_wn, stride_om,
-                     fp8_max, inv_fp8_max, min_scale, QUANTIZE_A: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      NUM_STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -54,23 +37,17 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, M, N, K, s
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
-    if QUANTIZE_A:  # a is in the model dtype: quantize it per row here (tiny for decode batches)
-        a_scale = _row_scales(a_ptr, rows, row_ok, K, stride_am, fp8_max, inv_fp8_max, min_scale, BLOCK_M, BLOCK_K)
-    else:
-        a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
     w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k_ok = (k0 + ks) < K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if QUANTIZE_A:
-            q = tl.math.div_rn(a.to(tl.float32), a_scale[:, None])
-            a = tl.minimum(tl.maximum(q, -fp8_max), fp8_max).to(w_ptr.dtype.element_ty)
         w = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
     w_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
     acc = acc * a_scale[:, None] * w_scale[None, :]
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
@@ -79,18 +56,13 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, M, N, K, s
 
 def default_launch(m: int, n: int, k: int) -> GemmLaunch:
     """The launch for an [m, k] x [k, n] product, m <= 16 (gpu_checks/bench_fp8_gemm.py's sweep, H200:
-    32-column tiles of 256-deep K steps led for every Llama-3.1-8B projection)."""
-    return GemmLaunch(block_m=16, block_n=32, block_k=256, num_stages=5 if k >= 8192 else 4)
+    32-column tiles of 256-deep K steps led for every Llama-3.1-8B projection; 5 stages for long K)."""
+    return GemmLaunch(block_m=16, block_n=32, block_k=256, num_stages=5 if k >= 8192 else 3)
 
 
-def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
+def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
              out_dtype: torch.dtype, launch: GemmLaunch | None = None) -> torch.Tensor:
-    """[M, N] in ``out_dtype`` from ``a`` [M, K] and fp8 ``w`` [N, K] (scales [N]).
-
-    ``a`` is fp8 with scales ``a_scale`` ([M] or [M, 1]); or, with ``a_scale=None``, in a higher
-    precision and quantized per row inside the kernel exactly as ``quantize_fp8_tokens(a)`` would (one
-    launch instead of two; for few rows, since every program reads them all).
-    """
+    """[M, N] in ``out_dtype`` from fp8 ``a`` [M, K] (scales [M] or [M, 1]) and fp8 ``w`` [N, K] (scales [N])."""
     if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
         raise ValueError(f"fp8_gemm needs a [M, K] and w [N, K], got {tuple(a.shape)} and {tuple(w.shape)}")
     if a.stride(1) != 1 or w.stride(1) != 1:
@@ -102,8 +74,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_s
     if m == 0:
         return out
     grid = (triton.cdiv(n, launch.block_n), triton.cdiv(m, launch.block_m))
-    _fp8_gemm_kernel[grid](a, w, out, w_scale if a_scale is None else a_scale, w_scale, m, n, k, a.stride(0),
-                           w.stride(0), out.stride(0), FP8_MAX, INV_FP8_MAX, _MIN_SCALE,
-                           QUANTIZE_A=a_scale is None, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
-                           BLOCK_K=launch.block_k, NUM_STAGES=launch.num_stages, num_warps=launch.num_warps)
+    _fp8_gemm_kernel[grid](a, w, out, a_scale, w_scale, m, n, k, a.stride(0), w.stride(0), out.stride(0),
+                           BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+                           NUM_STAGES=launch.num_stages, num_warps=launch.num_warps)
     return out
