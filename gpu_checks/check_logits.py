@@ -23,6 +23,10 @@ greedy paths (same top-20 metric). Exits 1 if a relative error exceeds ``--toler
 With ``--kv-cache-dtype fp8_e4m3`` the engines store K/V in float8; their error against plain
 transformers is then the cost of the format, and the verdict compares them with transformers bf16
 whose attention reads K/V rounded the same way (``weight_sync.reference.rounded_kv_attention``).
+
+With ``--quantization fp8`` the engines store their projections in fp8 (W8A8); every transformers
+reference then computes its projections the same way (``weight_sync.reference.fp8_quantized_projections``),
+and the error against plain transformers bf16 is printed as the cost of the format.
 """
 
 from __future__ import annotations
@@ -73,13 +77,13 @@ def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
 
 
 def run_engine(path: str, tp: int, prompts: list[list[int]], new_tokens: int, device: str,
-               kv_cache_dtype: str = "auto") -> EngineRun:
+               kv_cache_dtype: str = "auto", quantization: str | None = None) -> EngineRun:
     from rollout import Engine, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True, logprobs=TOP)
     t0 = time.time()
     with Engine(path, tp_size=tp, dtype="bfloat16", device=device, max_total_tokens=1 << 16,
-                skip_tokenizer_init=True, kv_cache_dtype=kv_cache_dtype) as engine:
+                skip_tokenizer_init=True, kv_cache_dtype=kv_cache_dtype, quantization=quantization) as engine:
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     run = EngineRun(tp, [o.outputs[0].token_ids for o in outs], [o.outputs[0].token_logprobs for o in outs],
                     [[[(t, lp.logprob) for t, lp in d.items()] for d in o.outputs[0].logprobs] for o in outs],
@@ -146,7 +150,7 @@ def compare_runs(a: EngineRun, b: EngineRun) -> dict[str, float]:
 
 
 def main() -> int:
-    from rollout.config import KV_CACHE_DTYPES, ModelConfig, kv_cache_torch_dtype
+    from rollout.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, ModelConfig, kv_cache_torch_dtype
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
@@ -160,20 +164,37 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cuda (the check), or cpu for a dry run of the script")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the engines' KV cache type (transformers keeps bf16 / float32 K and V)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                   help="the engines' online weight quantization (references quantize the same way)")
     p.add_argument("--fp32-reference", action=argparse.BooleanOptionalAction, default=True,
                    help="also compare transformers bf16 with transformers float32 (the scale of bf16 error)")
     args = p.parse_args()
     from transformers import AutoModelForCausalLM
 
+    from weight_sync.reference import fp8_quantized_projections
+
+    def quantized(model):
+        return fp8_quantized_projections(model) if args.quantization else model
+
     path = _model_path(args)
     prompts = _prompts(ModelConfig.from_path(path).vocab_size, args.num_seqs, args.seed)
-    runs = [run_engine(path, int(tp), prompts, args.new_tokens, args.device, args.kv_cache_dtype)
+    runs = [run_engine(path, int(tp), prompts, args.new_tokens, args.device, args.kv_cache_dtype, args.quantization)
             for tp in args.tp_sizes.split(",")]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(args.device).eval()
     worst = 0.0
     where = (f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}" if args.device == "cuda" else "cpu")
     print(f"model {path}; {args.num_seqs} sequences, prompts 8-299 tokens, {args.new_tokens} greedy tokens each; "
-          f"{where}, torch {torch.__version__}, engine KV cache {args.kv_cache_dtype}")
+          f"{where}, torch {torch.__version__}, engine KV cache {args.kv_cache_dtype}, "
+          f"weights {args.quantization or 'bf16'}")
+    if args.quantization:  # the cost of the format; the references below quantize as the engines do
+        for run in runs:
+            r = compare_with_hf(model, prompts, run)
+            print(f"TP={run.tp_size} ({args.quantization} weights) vs plain transformers bf16: top20 rel "
+                  f"{r['top20_rel']:.2e}, chosen rel {r['chosen_rel']:.2e}, max |Δ| {r['max_abs']:.3f}, "
+                  f"argmax {r['argmax']}/{r['tokens']}", flush=True)
+        if len(runs) > 1:
+            print("note: with several TP sizes the references quantize row-parallel inputs as TP=1 does")
+        model = fp8_quantized_projections(model)
     for run in runs:
         r = compare_with_hf(model, prompts, run)
         if args.kv_cache_dtype == "auto":  # else this is the cost of the KV format; the verdict uses the next
@@ -185,7 +206,7 @@ def main() -> int:
         hf_bf16 = hf_as_run(model, prompts, runs[0])
         del model
         gc.collect()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
+        model = quantized(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval())
         for name, run in [("transformers bf16", hf_bf16)] + [(f"TP={r.tp_size}", r) for r in runs]:
             r = compare_with_hf(model, prompts, run)
             print(f"{name} vs transformers float32: top20 rel {r['top20_rel']:.2e}, chosen rel {r['chosen_rel']:.2e}, "
@@ -196,8 +217,8 @@ def main() -> int:
         kv = kv_cache_torch_dtype(args.kv_cache_dtype, torch.bfloat16)
         del model
         gc.collect()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                     attn_implementation=rounded_kv_attention(kv)).to(args.device)
+        model = quantized(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                               attn_implementation=rounded_kv_attention(kv)).to(args.device))
         for run in runs:
             r = compare_with_hf(model.eval(), prompts, run)
             worst = max(worst, r["top20_rel"], r["chosen_rel"])
@@ -208,8 +229,9 @@ def main() -> int:
             hf8 = hf_as_run(model, prompts, runs[0])
             del model
             gc.collect()
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                         attn_implementation=rounded_kv_attention(kv)).to(args.device)
+            model = quantized(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                   attn_implementation=rounded_kv_attention(kv))
+                              .to(args.device))
             for name, run in [("transformers bf16", hf8)] + [(f"TP={r.tp_size}", r) for r in runs]:
                 r = compare_with_hf(model.eval(), prompts, run)
                 print(f"{name} (reading {args.kv_cache_dtype}) vs transformers float32 reading {args.kv_cache_dtype} "

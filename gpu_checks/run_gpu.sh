@@ -15,6 +15,7 @@
 #   bash gpu_checks/run_gpu.sh fp8-gemm  # fp8 W8A8: quantization tests, Triton fp8 GEMM launch sweep vs bf16
 #   bash gpu_checks/run_gpu.sh 8b-w8a8   # Llama-3.1-8B shape, --quantization fp8 with fp8 KV: the bench
 #   bash gpu_checks/run_gpu.sh 8b-w8a8-bf16kv  # ... with the bf16 KV cache
+#   bash gpu_checks/run_gpu.sh 8b-logits-w8a8  # ... teacher-forced logits vs transformers computing fp8 alike
 #   bash gpu_checks/run_gpu.sh tp2       # 2 GPUs: TP=2 vs TP=1 logits, TP=2 8B throughput
 #   bash gpu_checks/run_gpu.sh actor     # 2 GPUs: the engine actor's NCCL and CUDA IPC weight paths
 set -uo pipefail
@@ -69,6 +70,9 @@ case "${1:?stage}" in
   8b-w8a8-bf16kv)
     step bench-8b-w8a8-bf16kv 560 python -m rollout.bench --preset llama-3.1-8b --num-prompts 256 --input-len 1000 \
       --output-len 1000 --batch1-steps 64 --quantization fp8 --json "$out/bench-llama-3.1-8b-w8a8-bf16kv.json" ;;
+  8b-logits-w8a8)
+    step logits-8b-w8a8 560 python gpu_checks/check_logits.py --preset llama-3.1-8b --num-seqs 32 --tp-sizes 1 \
+      --quantization fp8 ;;
   8b-logits-fp8)
     step logits-8b-fp8 320 python gpu_checks/check_logits.py --preset llama-3.1-8b --num-seqs 32 --tp-sizes 1 \
       --kv-cache-dtype fp8_e4m3 ;;

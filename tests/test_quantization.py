@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import weight_sync
 from conftest import prompts_of_lengths
+from weight_sync.reference import fp8_quantized_projections
 from rollout import Engine, SamplingParams
 from rollout.config import EngineConfig
 from rollout.layers.quantization import (FP8_MAX, dequantize_fp8_rows, fp8_linear, is_quantized_weight,
@@ -116,23 +117,6 @@ def test_config_refuses_an_unknown_quantization(tiny_dir):
 # ---- the engine ---------------------------------------------------------------------------------------
 
 
-def fake_quant_hf(model, tp_size: int = 1) -> None:
-    """Make transformers' projections compute what the fp8 engine computes: fp8 row-quantized weights,
-    per-token fp8 activations (in float32 arithmetic). Row-parallel layers (o_proj, down_proj) quantize
-    each TP rank's slice of the input separately, as the engine's ranks do."""
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and is_quantized_weight(name + ".weight"):
-            wq, ws = quantize_fp8_rows(module.weight.detach())
-            groups = tp_size if name.endswith(("o_proj", "down_proj")) else 1
-
-            def forward(x, wq=wq, ws=ws, bias=module.bias, groups=groups):
-                parts = zip(x.chunk(groups, dim=-1), wq.chunk(groups, dim=-1))
-                out = sum(reference_linear(xp, wp, ws) for xp, wp in parts)
-                return (out if bias is None else out + bias).to(x.dtype)
-
-            module.forward = forward
-
-
 def worst_logprob_gap(hf_model, prompts, outs) -> float:
     """Largest |engine logprob - transformers' teacher-forced logprob| over the engine's output tokens."""
     from weight_sync.reference import hf_logprobs
@@ -150,7 +134,7 @@ def load_hf(path: str, fake_quant: bool):
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if fake_quant:
-        fake_quant_hf(model)
+        fp8_quantized_projections(model)
     return model
 
 
@@ -194,5 +178,5 @@ def test_fp8_weight_updates_fingerprints_and_tp2(tiny_dir):
         outs = [e.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False) for e in (tp1, tp2)]
     for tp_size, out in zip((1, 2), outs):
         reference = copy.deepcopy(model)
-        fake_quant_hf(reference, tp_size)
+        fp8_quantized_projections(reference, tp_size)
         assert worst_logprob_gap(reference, prompts, out) < 2e-3, tp_size

@@ -66,3 +66,24 @@ def rounded_kv_attention(kv_dtype: torch.dtype) -> str:
     name = f"sdpa_kv_{str(kv_dtype).removeprefix('torch.')}"
     AttentionInterface.register(name, attention)
     return name
+
+
+def fp8_quantized_projections(model: Any, tp_size: int = 1) -> Any:
+    """Make a transformers model's decoder projections compute what an engine with
+    ``quantization="fp8"`` computes (in place; returns the model): fp8 row-quantized weights and
+    per-token fp8 activations, multiplied in float32, output in the model dtype. Row-parallel layers
+    (o_proj, down_proj) quantize each of ``tp_size`` input slices separately, as the engine's ranks do."""
+    from rollout.layers.quantization import is_quantized_weight, quantize_fp8_rows, reference_linear
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and is_quantized_weight(name + ".weight"):
+            wq, ws = quantize_fp8_rows(module.weight.detach())
+            groups = tp_size if name.endswith(("o_proj", "down_proj")) else 1
+
+            def forward(x, wq=wq, ws=ws, bias=module.bias, groups=groups):
+                parts = zip(x.chunk(groups, dim=-1), wq.chunk(groups, dim=-1))
+                out = sum(reference_linear(xp, wp, ws) for xp, wp in parts)
+                return (out if bias is None else out + bias).to(x.dtype)
+
+            module.forward = forward
+    return model
