@@ -12,7 +12,7 @@
 #   bash gpu_checks/run_gpu.sh decode-sweep  # Triton decode attention's launch settings vs FlashInfer
 #   bash gpu_checks/run_gpu.sh 8b-fp8    # Llama-3.1-8B shape with an fp8 KV cache: the bench
 #   bash gpu_checks/run_gpu.sh 8b-logits-fp8  # ... and its teacher-forced logits vs transformers
-#   bash gpu_checks/run_gpu.sh fp8-gemm  # fp8 W8A8: quantization tests, Triton fp8 GEMM launch sweep vs bf16
+#   bash gpu_checks/run_gpu.sh fp8-gemm  # fp8 W8A8: tests, the CUDA engine vs fp8 transformers, GEMM sweep vs bf16
 #   bash gpu_checks/run_gpu.sh 8b-w8a8   # Llama-3.1-8B shape, --quantization fp8 with fp8 KV: the bench
 #   bash gpu_checks/run_gpu.sh 8b-w8a8-bf16kv  # ... with the bf16 KV cache
 #   bash gpu_checks/run_gpu.sh 8b-logits-w8a8  # ... teacher-forced logits vs transformers computing fp8 alike
@@ -62,6 +62,7 @@ case "${1:?stage}" in
       --output-len 1000 --batch1-steps 64 --kv-cache-dtype fp8_e4m3 --json "$out/bench-llama-3.1-8b-fp8.json" ;;
   fp8-gemm)
     step quantization 300 python -m pytest -q -p no:cacheprovider tests/test_quantization.py
+    step fp8-engine 300 python gpu_checks/check_fp8_engine.py
     step fp8-gemm 300 python gpu_checks/bench_fp8_gemm.py --sweep ;;
   8b-w8a8)
     step bench-8b-w8a8 560 python -m rollout.bench --preset llama-3.1-8b --num-prompts 256 --input-len 1000 \
