@@ -119,6 +119,17 @@ def test_model_bytes_tp_sharding():
     assert model_bytes(cfg, 16, 2).kv_bytes_per_token == 2 * 32 * 1 * 128 * 2  # KV heads replicated
 
 
+def test_model_bytes_fp8_weights():
+    """fp8 projections: 1 byte per element plus a float32 scale per row; everything else unchanged."""
+    cfg = ModelConfig.from_dict(preset_config("llama-3.1-8b"))
+    bf16, fp8 = model_bytes(cfg, 1, 2), model_bytes(cfg, 1, 2, quantization="fp8")
+    proj = 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336)
+    rows = 32 * (6144 + 4096 + 2 * 14336 + 4096)
+    assert bf16.weight_bytes - fp8.weight_bytes == proj - 4 * rows
+    assert bf16.weight_bytes_read - fp8.weight_bytes_read == proj - 4 * rows
+    assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token
+
+
 def test_write_preset_tiny_loads_and_is_reused(preset_root, tmp_path):
     import torch
     from safetensors import safe_open

@@ -158,7 +158,7 @@ def test_fp8_weight_updates_fingerprints_and_tp2(tiny_dir):
     model = load_hf(path, fake_quant=False)
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=0)
     prompts = prompts_of_lengths([5, 12, 30], seed=4)
-    with Engine(path, dtype="float32", device="cpu", quantization="fp8") as tp1, \
+    with Engine(path, dtype="float32", device="cpu", quantization="fp8", keep_weight_copy=True) as tp1, \
             Engine(path, dtype="float32", device="cpu", quantization="fp8", tp_size=2) as tp2:
         fp_disk = weight_sync.fingerprint(model, quantization="fp8")
         assert tp1.weights_fingerprint() == tp2.weights_fingerprint() == fp_disk
@@ -176,6 +176,10 @@ def test_fp8_weight_updates_fingerprints_and_tp2(tiny_dir):
         expect = dequantize_fp8_rows(wq, ws).flatten()[:50].tolist()
         assert tp1.get_weights_by_name(name, 50) == tp2.get_weights_by_name(name, 50) == expect
         outs = [e.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False) for e in (tp1, tp2)]
+        tp1.rollback_weights()  # the kept copy holds the fp8 values and their scales
+        assert tp1.weights_fingerprint() == fp_disk
+        tp2.update_weights_from_disk(path)  # a reload quantizes like the first load
+        assert tp2.weights_fingerprint() == fp_disk
     for tp_size, out in zip((1, 2), outs):
         reference = copy.deepcopy(model)
         fp8_quantized_projections(reference, tp_size)
