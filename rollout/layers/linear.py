@@ -57,7 +57,7 @@ def load_fp8_shard(param: nn.Parameter, full: torch.Tensor, shard_id: Any = None
     from rollout.layers.quantization import fp8_row_scales, quantize_fp8_rows
 
     view, spec = param.shard_view(param, shard_id)
-    scale_view, rows = scale_shard(param, shard_id)
+    scale_view, _ = scale_shard(param, shard_id)
     part = spec.take(full)
     if part.shape != view.shape:
         raise ValueError(f"shape mismatch: expected {tuple(view.shape)} for this shard, got {tuple(part.shape)}")

@@ -71,6 +71,9 @@ class ModelRunner:
         # fused kernels (CUDA only): FlashInfer norm/activation, Triton rope+KV store and sampling
         fused = (config.fused_kernels and device.type == "cuda" and _has_module("flashinfer")
                  and _has_module("triton"))
+        if config.quantization == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+            raise ValueError("quantization='fp8' needs a GPU of compute capability 9.0 or newer (Hopper): its "
+                             "row-wise scaled fp8 GEMMs do not run on older GPUs")
         self.model, self.weight_map = build_model(model_cfg, config.model_path, self.context_len, tp,
                                                   self.dtype, device, config.load_format, config.seed, fused,
                                                   config.quantization)
