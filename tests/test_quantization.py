@@ -50,7 +50,7 @@ def test_a_column_slice_with_its_full_rows_scales_quantizes_like_the_whole():
     assert torch.equal(_bits(part), _bits(q[:, 16:48])) and part_scale is scale
 
 
-@pytest.mark.parametrize("rows,cols", [(1, 64), (7, 1000), (3, 2500), (2, 16500)])
+@pytest.mark.parametrize("rows,cols", [(1, 64), (7, 1000), (3, 2500), (2, 9000)])
 def test_triton_per_token_quant_is_bit_identical_to_torch(rows, cols):
     from rollout.layers.quantization import _MIN_SCALE, INV_FP8_MAX
     from rollout.layers.triton_quant import per_token_quant_fp8

@@ -55,9 +55,13 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, M, N, K, s
 
 
 def default_launch(m: int, n: int, k: int) -> GemmLaunch:
-    """The launch for an [m, k] x [k, n] product, m <= 16 (gpu_checks/bench_fp8_gemm.py's sweep, H200:
-    32-column tiles of 256-deep K steps led for every Llama-3.1-8B projection; 5 stages for long K)."""
-    return GemmLaunch(block_m=16, block_n=32, block_k=256, num_stages=5 if k >= 8192 else 3)
+    """The launch for an [m, k] x [k, n] product, m <= 16: the best of gpu_checks/bench_fp8_gemm.py's
+    sweep on H200 for each Llama-3.1-8B projection (2 warps; narrow tiles and 512-deep K steps unless
+    the output is wide)."""
+    if n >= 8192:
+        return GemmLaunch(block_m=16, block_n=64, block_k=256, num_stages=3, num_warps=2)
+    return GemmLaunch(block_m=16, block_n=16 if n <= 4096 else 32, block_k=512,
+                      num_stages=4 if k >= 8192 or n > 4096 else 3, num_warps=2)
 
 
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
