@@ -53,7 +53,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def sweep_launches(tokens: int) -> list[GemmLaunch]:
+def sweep_launches() -> list[GemmLaunch]:
     """Launches of one 16-row block (``mma.sync``, whose fp8 products accumulate in full float32;
     Hopper's wgmma, which Triton uses from 64 rows, does not)."""
     return [GemmLaunch(16, bn, bk, st, nw) for bn, bk, st, nw in
@@ -94,7 +94,7 @@ def main() -> None:
                 trit = time_ms(lambda: fp8_gemm(xq, xs, wq, ws, torch.bfloat16))
                 if args.sweep and t == 1:
                     timed = []
-                    for launch in sweep_launches(t):
+                    for launch in sweep_launches():
                         try:
                             timed.append((time_ms(lambda: fp8_gemm(xq, xs, wq, ws, torch.bfloat16, launch)), launch))
                         except Exception as e:  # noqa: BLE001 - a launch that does not fit (shared memory)

@@ -62,8 +62,8 @@ def load_fp8_shard(param: nn.Parameter, full: torch.Tensor, shard_id: Any = None
     if part.shape != view.shape:
         raise ValueError(f"shape mismatch: expected {tuple(view.shape)} for this shard, got {tuple(part.shape)}")
     part = part.to(view.device)
-    scale = fp8_row_scales(full.to(view.device) if spec.dim == 1 else part)
-    q, scale = quantize_fp8_rows(part, scale)
+    scale = fp8_row_scales(full) if spec.dim == 1 else None  # a column slice: its full rows' scales
+    q, scale = quantize_fp8_rows(part, None if scale is None else scale.to(view.device))
     view.copy_(q)
     scale_view.copy_(scale)
 

@@ -65,15 +65,15 @@ def quantize_fp8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
         from rollout.layers.triton_quant import per_token_quant_fp8
 
-        return per_token_quant_fp8(x, FP8_MAX, INV_FP8_MAX, _MIN_SCALE)
+        return per_token_quant_fp8(x)
     return quantize_fp8_tokens_torch(x)
 
 
 def quantize_fp8_tokens_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_fp8_tokens`` in torch ops (any device; the reference for the Triton kernel)."""
-    xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) * INV_FP8_MAX).clamp_min(_MIN_SCALE)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    """``quantize_fp8_tokens`` in torch ops (any device; the reference for the Triton kernel): each token
+    is a row, quantized as ``quantize_fp8_rows`` quantizes a weight's rows."""
+    q, scale = quantize_fp8_rows(x)
+    return q, scale.unsqueeze(1)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.layers.quantization import _MIN_SCALE, FP8_MAX, INV_FP8_MAX
+
 _BLOCK = 1024  # tile of the two-pass loop for rows longer than _ONE_PASS_MAX
 _ONE_PASS_MAX = 8192  # rows up to this length are held in registers: read once (longer: slower on H200)
 
@@ -48,10 +50,10 @@ def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, x_stride, q_stride, fp8_
             tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def per_token_quant_fp8(x: torch.Tensor, fp8_max: float, inv_fp8_max: float, min_scale: float
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn [T, K], float32 [T, 1]) with ``scale = max(amax(|x_t|) * inv_fp8_max, min_scale)``
-    and ``q = clamp(x / scale, ±fp8_max)`` rounded to nearest even; ``x`` is 2-D with unit last stride."""
+def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn [T, K], float32 [T, 1]) with ``scale = max(amax(|x_t|) · (1/448), min)`` and
+    ``q = clamp(x / scale, ±448)`` rounded to nearest even (``rollout.layers.quantization``'s constants);
+    ``x`` is 2-D with unit last stride."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError("per_token_quant_fp8 needs a 2-D tensor with contiguous rows")
     t, k = x.shape
@@ -61,6 +63,6 @@ def per_token_quant_fp8(x: torch.Tensor, fp8_max: float, inv_fp8_max: float, min
         one_pass = k <= _ONE_PASS_MAX
         block = triton.next_power_of_2(k) if one_pass else _BLOCK
         warps = 4 if not one_pass or block <= 4096 else 8
-        _per_token_quant_kernel[(t,)](x, q, scale, k, x.stride(0), q.stride(0), fp8_max, inv_fp8_max, min_scale,
+        _per_token_quant_kernel[(t,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, INV_FP8_MAX, _MIN_SCALE,
                                       BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
     return q, scale
