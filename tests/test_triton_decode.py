@@ -1,8 +1,7 @@
 """rollout.attention.triton_decode against attention written out in float32 torch over the widened KV.
 
-Without a CUDA device the kernels run under Triton's CPU interpreter (see ``triton_interpreter``).
-Reading float8 (widening to float16) is exact in the interpreter; only its float8 rounding on store
-is not, and this kernel never stores float8.
+Without a CUDA device the kernels run under Triton's CPU interpreter (see ``triton_interpreter``, which
+makes its float8 and bfloat16 conversions and dots match the GPU's).
 """
 
 from __future__ import annotations

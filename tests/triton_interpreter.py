@@ -1,7 +1,7 @@
 """Run Triton kernels under the CPU interpreter when there is no CUDA device.
 
 Import this module before ``triton`` anywhere in a test: without CUDA it sets TRITON_INTERPRET and
-patches two bugs of Triton 3.6's interpreter (compiled kernels are unaffected):
+patches three bugs of Triton 3.6's interpreter (compiled kernels are unaffected):
 - a loaded scalar as a ``tl.range`` bound: it calls ``int(ndarray_of_shape_1)``, which numpy 2 refuses;
 - ``tl.dot`` of bfloat16 or float8 operands: it multiplies their raw bit patterns as integers (here
   they are widened to float32 first, exactly);
@@ -28,7 +28,7 @@ if INTERPRETED:
         _patch_lang_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
-    def _bf16_as_float32(handle):
+    def _as_float32(handle):
         import numpy as np
         import triton.language as tl
 
@@ -43,8 +43,8 @@ if INTERPRETED:
 
     _create_dot = _interpreter.InterpreterBuilder.create_dot
 
-    def _create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return _create_dot(self, _bf16_as_float32(a), _bf16_as_float32(b), d, input_precision,
+    def _create_dot_widened(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return _create_dot(self, _as_float32(a), _as_float32(b), d, input_precision,
                            max_num_imprecise_acc)
 
     def _rounded_cast(src, dst_type):
@@ -57,7 +57,7 @@ if INTERPRETED:
                   tl.bfloat16: (torch.bfloat16, torch.int16)}.get(dst_type.scalar)
         if narrow is None or src.dtype.scalar not in (tl.float32, tl.float16, tl.bfloat16):
             return None
-        wide = _bf16_as_float32(src).data.astype(np.float32)
+        wide = _as_float32(src).data.astype(np.float32)
         out = torch.from_numpy(np.ascontiguousarray(wide)).to(narrow[0]).view(narrow[1]).numpy()
         return _interpreter.TensorHandle(out.view(np.uint16) if narrow[1] == torch.int16 else out, dst_type.scalar)
 
@@ -74,6 +74,6 @@ if INTERPRETED:
 
     if getattr(_interpreter._patch_lang_tensor, "__name__", "") != "_patch_lang_tensor_numpy2":
         _interpreter._patch_lang_tensor = _patch_lang_tensor_numpy2
-        _interpreter.InterpreterBuilder.create_dot = _create_dot_bf16
+        _interpreter.InterpreterBuilder.create_dot = _create_dot_widened
         _interpreter.InterpreterBuilder.create_fp_to_fp = _create_fp_to_fp_rne
         _interpreter.InterpreterBuilder.create_fp_trunc = _create_fp_trunc_rne
