@@ -194,7 +194,7 @@ def main() -> int:
                   f"argmax {r['argmax']}/{r['tokens']}", flush=True)
         if len(runs) > 1:
             print("note: with several TP sizes the references quantize row-parallel inputs as TP=1 does")
-        model = fp8_quantized_projections(model)
+        model = quantized(model)
     for run in runs:
         r = compare_with_hf(model, prompts, run)
         if args.kv_cache_dtype == "auto":  # else this is the cost of the KV format; the verdict uses the next
