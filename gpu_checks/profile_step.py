@@ -4,6 +4,10 @@ engine runs them, timed, then one torch.profiler window summed by kernel.
 
     python gpu_checks/profile_step.py --preset llama-3.1-8b --batch 256 --context 1500
     python gpu_checks/profile_step.py --preset llama-3.1-8b --batch 1 --context 1000
+    python gpu_checks/profile_step.py --preset llama-3.1-8b --batch 16 --context 1000 --prefill
+
+With ``--prefill`` the step is instead a prefill of B fresh prompts of L tokens each (the bench's prefill
+steps: 16 x 1,000 tokens), sampling each prompt's first token.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ def build(args: argparse.Namespace):
     cfg = ModelConfig.from_path(path)
     slots = args.batch * (args.context + args.steps + 64) + 16
     config = EngineConfig(path, dtype="bfloat16", device=args.device, load_format="dummy", max_total_tokens=slots,
-                          max_running_requests=max(args.batch, 1), disable_cuda_graph=args.no_graph)
+                          max_running_requests=max(args.batch, 1), disable_cuda_graph=args.no_graph,
+                          kv_cache_dtype=args.kv_cache_dtype)
     runner = ModelRunner(config, cfg, TPGroup(), torch.device(args.device))
     return runner, cfg, model_bytes(cfg, 1, 2)
 
@@ -49,6 +54,20 @@ def decode_input(runner, batch: int, context: int, step: int):
     return StepInput(ForwardMode.DECODE, rows, None, pos, slots, [p + 1 for p in pos], [1] * batch)
 
 
+def prefill_input(runner, batch: int, context: int, vocab: int):
+    """A prefill of B fresh prompts of ``context`` random tokens (rows 0..B-1, consecutive slots)."""
+    from rollout.model_executor.forward_batch import ForwardMode
+    from rollout.model_executor.model_runner import StepInput
+
+    rows = list(range(batch))
+    slots = torch.arange(1, 1 + batch * context, dtype=torch.int64)
+    for r in rows:
+        runner.req_to_token.write(r, 0, slots[r * context:(r + 1) * context])
+    ids = torch.randint(3, vocab - 1, (batch * context,)).tolist()
+    return StepInput(ForwardMode.EXTEND, rows, ids, list(range(context)) * batch, slots, [context] * batch,
+                     [context] * batch)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
@@ -59,6 +78,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--prefill", action="store_true", help="profile a prefill of B x L fresh tokens instead")
+    p.add_argument("--kv-cache-dtype", default="auto")
     args = p.parse_args()
     from rollout.layers.sampler import SamplingRow
     from rollout.sampling_params import SamplingParams
@@ -68,8 +89,8 @@ def main() -> None:
     per_row = ctx + 64 + args.steps
     for r in range(b):  # every row's first ctx tokens: random KV in consecutive slots
         runner.req_to_token.write(r, 0, torch.arange(1 + r * per_row, 1 + r * per_row + ctx))
-    for buf in runner.kv_pool.k_buffers + runner.kv_pool.v_buffers:
-        buf[:b * per_row + 1].normal_()
+    for buf in runner.kv_pool.k_buffers + runner.kv_pool.v_buffers:  # via float32: float8 has no normal_
+        buf[:b * per_row + 1].copy_(torch.randn(buf[:b * per_row + 1].shape, device=buf.device))
     runner.last_token_ids.random_(3, cfg.vocab_size - 1)
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, logprobs=0)
     info = runner.sampling_info([SamplingRow(params, seed=i, output_len=0, prompt_token_ids=[], output_token_ids=[],
@@ -77,7 +98,10 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
     def one(step: int) -> None:
-        runner.run_step(decode_input(runner, b, ctx, step), list(range(b)), info).wait()
+        if args.prefill:
+            runner.run_step(prefill_input(runner, b, ctx, cfg.vocab_size), list(range(b)), info).wait()
+        else:
+            runner.run_step(decode_input(runner, b, ctx, step), list(range(b)), info).wait()
 
     for s in range(5):
         one(s)
@@ -89,8 +113,12 @@ def main() -> None:
     sync()
     step_ms = (time.perf_counter() - t0) / n * 1000
     kv_bytes = b * (ctx + 10) * mb.kv_bytes_per_token
-    print(f"batch {b}, context {ctx}: {step_ms:.2f} ms per decode step (launch + wait, no overlap); weights read "
-          f"{mb.weight_bytes_read / 1e9:.2f} GB, KV read {kv_bytes / 1e9:.2f} GB", flush=True)
+    if args.prefill:
+        print(f"prefill of {b} x {ctx} tokens: {step_ms:.2f} ms per step (launch + wait), "
+              f"{b * ctx / step_ms * 1000:.0f} tok/s", flush=True)
+    else:
+        print(f"batch {b}, context {ctx}: {step_ms:.2f} ms per decode step (launch + wait, no overlap); weights "
+              f"read {mb.weight_bytes_read / 1e9:.2f} GB, KV read {kv_bytes / 1e9:.2f} GB", flush=True)
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])

@@ -1,6 +1,6 @@
 """Decode attention speed on the GPU: the Triton kernel's launch settings against FlashInfer.
 
-    python gpu_checks/sweep_decode.py [--batch 256] [--context 1500] [--quick]
+    python gpu_checks/sweep_decode.py [--quick | --grid 'N;W;S'] [--cases fp8,bf16,bf16-d64] [--layouts random,engine]
 
 One layer at 256 requests: Llama-3.1-8B heads (32 q / 8 KV, dim 128) x 1,500 cached tokens, bf16 and
 float8 (e4m3) pools; Llama-3.2-1B heads (32 / 8, dim 64) x 256 cached tokens (row 4's decode), bf16. Two slot layouts: ``random`` (every token's slot drawn at random) and
@@ -68,9 +68,10 @@ def sweep(q, k, v, indptr, indices, ref, settings, label: str, gb: float) -> tup
     return best
 
 
-def run_case(batch: int, context: int, hq: int, hk: int, d: int, kv_dtype: torch.dtype, grid, workspace) -> None:
-    """FlashInfer, then the Triton settings, on both slot layouts (the sweep on ``random``, its best
-    setting and other split counts on ``engine``)."""
+def run_case(batch: int, context: int, hq: int, hk: int, d: int, kv_dtype: torch.dtype, grid, workspace,
+             layouts: tuple[str, ...] = ("random", "engine"), q_dtype: torch.dtype = torch.bfloat16) -> None:
+    """FlashInfer, then the Triton settings, on each slot layout: the sweep on the first, then its best
+    setting at other split counts on every layout."""
     import flashinfer
 
     dev = workspace.device
@@ -80,14 +81,13 @@ def run_case(batch: int, context: int, hq: int, hk: int, d: int, kv_dtype: torch
     last = torch.ones(batch, dtype=torch.int32, device=dev)
     splits = num_kv_splits(batch, hk, sms)
     settings = [(n, w, s, splits) for n, w, s in itertools.product(*grid)]
-    q_dtype = torch.float16 if kv_dtype.itemsize == 1 else torch.bfloat16
     q = torch.randn(batch, hq, d, device=dev, dtype=q_dtype)
     k = torch.randn(slots + 1, hk, d, device=dev).to(kv_dtype)
     v = torch.randn(slots + 1, hk, d, device=dev).to(kv_dtype)
     gb = 2 * slots * hk * d * k.element_size() / 1e9
     best = None
-    for layout in ("random", "engine"):
-        label = f"{str(kv_dtype).removeprefix('torch.'):13s} d{d} {batch}x{context} {layout:6s}"
+    for layout in layouts:
+        label = f"{str(kv_dtype).removeprefix('torch.'):13s} q {str(q_dtype).removeprefix('torch.'):8s} d{d} {batch}x{context} {layout:6s}"
         indices = slot_layout(layout, batch, context, dev)
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
         w.plan(indptr, indices, last, hq, hk, d, 1, q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=d ** -0.5)
@@ -99,18 +99,30 @@ def run_case(batch: int, context: int, hq: int, hk: int, d: int, kv_dtype: torch
             print(f"{label} best {best}", flush=True)
         n, wp, st, sp = best
         sweep(q, k, v, indptr, indices, ref,
-              [(n, wp, st, s) for s in (1, 2, 4, 8) if layout == "engine" or s != sp], label, gb)
+              [(n, wp, st, s) for s in (1, 2, 4, 8) if layout != layouts[0] or s != sp], label, gb)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="a few settings only")
+    p.add_argument("--cases", default="fp8,bf16,bf16-d64", help="comma-separated subset of fp8,bf16,bf16-d64")
+    p.add_argument("--grid", help="'N;W;S': comma lists of block_n, warps, stages")
+    p.add_argument("--fp8-query", default="float16", choices=["float16", "bfloat16"],
+                   help="query dtype of the fp8 case (the engine's is the model dtype)")
+    p.add_argument("--layouts", default="random,engine", help="slot layouts; the sweep runs on the first")
     args = p.parse_args()
+    cases = args.cases.split(",")
+    layouts = tuple(args.layouts.split(","))
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    grid = ([64], [1, 2], [3, 4]) if args.quick else ([32, 64, 128], [1, 2, 4], [2, 3, 4])
-    run_case(256, 1500, 32, 8, 128, torch.float8_e4m3fn, grid, workspace)
-    run_case(256, 1500, 32, 8, 128, torch.bfloat16, grid, workspace)
-    run_case(256, 256, 32, 8, 64, torch.bfloat16, grid, workspace)
+    grid = ([32, 64], [1, 2], [3, 4]) if args.quick else ([16, 32, 64, 128], [1, 2, 4], [2, 3, 4])
+    if args.grid:
+        grid = tuple([int(x) for x in part.split(",")] for part in args.grid.split(";"))
+    if "fp8" in cases:
+        run_case(256, 1500, 32, 8, 128, torch.float8_e4m3fn, grid, workspace, layouts, getattr(torch, args.fp8_query))
+    if "bf16" in cases:
+        run_case(256, 1500, 32, 8, 128, torch.bfloat16, grid, workspace, layouts)
+    if "bf16-d64" in cases:
+        run_case(256, 256, 32, 8, 64, torch.bfloat16, grid, workspace, layouts)
 
 
 if __name__ == "__main__":

@@ -51,12 +51,13 @@ CASES = [  # seq lens, heads q/kv, head dim
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_matches_float32_attention_over_widened_kv(kv_dtype, splits, case):
+@pytest.mark.parametrize("launch", [DecodeLaunch(16, 4, 2), None], ids=["16x4x2", "default"])
+def test_matches_float32_attention_over_widened_kv(kv_dtype, splits, case, launch):
     seq_lens, hq, hk, d = CASES[case]
     q_dtype = torch.float16 if kv_dtype.itemsize == 1 else torch.bfloat16
     q, k_buf, v_buf, indptr, indices = make_case(seq_lens, hq, hk, d, kv_dtype, q_dtype, seed=case)
     scale = d ** -0.5
-    out = decode_attention(q, k_buf, v_buf, indptr, indices, scale, splits, launch=DecodeLaunch(16, 4, 2))
+    out = decode_attention(q, k_buf, v_buf, indptr, indices, scale, splits, launch=launch)
     assert out.dtype == q_dtype and out.shape == q.shape
     want = reference(q, k_buf, v_buf, indptr, indices, scale, compute=q_dtype)
     # p is rounded to the 16-bit compute type before P.V (as FlashInfer does), plus output rounding
