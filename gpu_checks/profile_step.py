@@ -36,9 +36,10 @@ def build(args: argparse.Namespace):
     slots = args.batch * (args.context + args.steps + 64) + 16
     config = EngineConfig(path, dtype="bfloat16", device=args.device, load_format="dummy", max_total_tokens=slots,
                           max_running_requests=max(args.batch, 1), disable_cuda_graph=args.no_graph,
-                          kv_cache_dtype=args.kv_cache_dtype)
+                          kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     runner = ModelRunner(config, cfg, TPGroup(), torch.device(args.device))
-    return runner, cfg, model_bytes(cfg, 1, 2)
+    kv_bytes = 1 if args.kv_cache_dtype.startswith("fp8") else None
+    return runner, cfg, model_bytes(cfg, 1, 2, kv_bytes, quantization=args.quantization)
 
 
 def decode_input(runner, batch: int, context: int, step: int):
@@ -80,6 +81,7 @@ def main() -> None:
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--prefill", action="store_true", help="profile a prefill of B x L fresh tokens instead")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--quantization", default=None, choices=[None, "fp8"])
     args = p.parse_args()
     from rollout.layers.sampler import SamplingRow
     from rollout.sampling_params import SamplingParams
@@ -127,7 +129,7 @@ def main() -> None:
             one(s)
         sync()
     key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,17 @@ def test_matches_float32_attention_over_widened_kv(kv_dtype, splits, case, launc
     torch.testing.assert_close(out.float().cpu(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_bf16_query_over_float8_pool_computes_in_float16_into_a_bf16_out(splits):
+    """The engine's call: a bf16 query (model dtype) over a float8 pool is rounded to float16 in the
+    kernel, and the result lands in the caller's bf16 ``out`` (no conversion kernels around it)."""
+    q, k_buf, v_buf, indptr, indices = make_case([5, 70, 33], 8, 2, 64, torch.float8_e4m3fn, torch.bfloat16, seed=4)
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=DEVICE)
+    decode_attention(q, k_buf, v_buf, indptr, indices, 0.125, splits, out=out)
+    want = reference(q, k_buf, v_buf, indptr, indices, 0.125, compute=torch.float16)
+    torch.testing.assert_close(out.float().cpu(), want, atol=1e-2, rtol=1e-2)
+
+
 def test_bf16_query_with_float32_output_dtype_and_more_splits_than_tokens():
     """A float32 query computes in float16; splits with no tokens (seq 1 and 2 over 8 splits) weigh
     nothing; ``out`` is written in place."""

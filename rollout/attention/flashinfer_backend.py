@@ -154,11 +154,11 @@ class FlashInferBackend(AttentionBackend):
             pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
         meta = batch.attn_metadata
-        q = q.to(self.q_dtype).contiguous()
-        if isinstance(meta, TritonDecodeMetadata):
-            out = decode_attention(q, k_buf, v_buf, meta.kv_indptr, meta.kv_indices, self.scaling, meta.num_splits)
-        else:
-            out = meta.run(q, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)))
+        if isinstance(meta, TritonDecodeMetadata):  # rounds q to its compute type and writes self.dtype itself
+            out = torch.empty(q.shape, dtype=self.dtype, device=q.device)
+            return decode_attention(q.contiguous(), k_buf, v_buf, meta.kv_indptr, meta.kv_indices, self.scaling,
+                                    meta.num_splits, out=out)
+        out = meta.run(q.to(self.q_dtype).contiguous(), (k_buf.unsqueeze(1), v_buf.unsqueeze(1)))
         return out if out.dtype == self.dtype else out.to(self.dtype)
 
 

@@ -9,8 +9,9 @@ scale) and meet the queries on tensor cores with float32 accumulation and an onl
     stage 2, grid (batch, q_heads): merges the splits by their log-sum-exp (skipped when splits == 1).
 
 Semantics: ``out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b`` where K_b, V_b are the rows
-``k_buffer[kv_indices[kv_indptr[b]:kv_indptr[b+1]], h // group]`` widened to the compute type (q's
-dtype if 16-bit, else float16); p is rounded to that type before the second product, as FlashInfer does.
+``k_buffer[kv_indices[kv_indptr[b]:kv_indptr[b+1]], h // group]`` widened to the compute type (float16
+for float8 pools or non-16-bit queries, else q's dtype; q is rounded to it too); p is rounded to that type
+before the second product, as FlashInfer does.
 """
 
 from __future__ import annotations
@@ -52,7 +53,11 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
     row_ok = rows < GROUP
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    compute = tl.float16 if q.dtype.element_ty.primitive_bitwidth != 16 else q.dtype.element_ty
+    # float16 for float8 pools (float8 widens to it exactly; a bf16 query rounds to it exactly within
+    # float16's range, as FlashInfer's float8 kernels take it) and for queries that are not 16-bit
+    compute = q.dtype.element_ty
+    if q.dtype.element_ty.primitive_bitwidth != 16 or k_buf.dtype.element_ty.primitive_bitwidth == 8:
+        compute = tl.float16
     qv = tl.load(q + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
                  other=0.0).to(compute)
     start = tl.load(kv_indptr + b)
@@ -125,7 +130,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      launch: DecodeLaunch | None = None) -> torch.Tensor:
     """One query token per request against its paged KV (see the module docstring).
 
-    q [B, Hq, D] (any float dtype; the output has it); k_buffer/v_buffer [num_slots, Hk, D] with a
+    q [B, Hq, D] (any float dtype); ``out`` [B, Hq, D] of any float dtype (default: new, q's dtype) gets
+    the result rounded once from float32; k_buffer/v_buffer [num_slots, Hk, D] with a
     contiguous last dim, any float dtype incl. float8 (Hq a multiple of Hk); kv_indptr [B + 1] and
     kv_indices [kv_indptr[B]] int32 on q's device, every request with at least one token;
     ``num_splits`` a power of two (``num_kv_splits``); ``launch`` None: ``default_launch`` of the pool dtype.
