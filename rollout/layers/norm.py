@@ -3,6 +3,8 @@
 ``forward(x)`` returns the normalized x; ``forward(x, residual)`` returns ``(norm(residual + x),
 residual + x)``. The torch path matches transformers bit for bit (float32 statistics, weight applied in
 the model dtype); ``fused=True`` uses FlashInfer's CUDA kernels (one kernel for add + norm, in place).
+``quantize_out=True`` (fused, before an fp8 projection) returns the normalized x as an ``Fp8Activation``
+from one Triton kernel that also quantizes it (``rollout.layers.triton_fused_quant``).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from rollout.layers.linear import attach, replicated_view
 class RMSNorm(nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)), statistics in float32, result in x's dtype."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: Any = None, fused: bool = False) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: Any = None, fused: bool = False,
+                 quantize_out: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.fused = fused
+        self.quantize_out = fused and quantize_out
         self.weight = attach(nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False),
                              replicated_view)
 
@@ -40,6 +44,11 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
     def _fused(self, x: torch.Tensor, residual: torch.Tensor | None):
+        if self.quantize_out:
+            from rollout.layers.triton_fused_quant import add_rmsnorm_quant_fp8
+
+            out = add_rmsnorm_quant_fp8(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
         from flashinfer.norm import fused_add_rmsnorm, rmsnorm
 
         if residual is None:

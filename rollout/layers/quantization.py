@@ -19,6 +19,7 @@ served tensors exactly: ``weight_sync.fingerprint(..., quantization="fp8")``.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,8 @@ INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
 # Where Triton's fp8_gemm beats torch._scaled_mm's CUTLASS kernels (gpu_checks/bench_fp8_gemm.py, H200).
 TRITON_GEMM_MAX_TOKENS = 16
 _MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # rows of zeros get this scale instead of 0
+# Longest rows that rollout.layers.triton_fused_quant's norm and SiLU·mul kernels quantize (held in registers).
+FUSED_QUANT_MAX_COLS = 32768
 # The Hugging Face weights an fp8 engine stores quantized (the projections of every decoder layer).
 _QUANTIZED_WEIGHT = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 
@@ -76,24 +79,47 @@ def quantize_fp8_tokens_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scale.unsqueeze(1)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+@dataclass(frozen=True)
+class Fp8Activation:
+    """Activations already quantized per token by the kernel that produced them
+    (``rollout.layers.triton_fused_quant``): ``q`` float8_e4m3fn [T, K], ``scale`` float32 [T, 1], and the
+    model ``dtype`` the projection returns."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def fused_quant_supports(cols: int) -> bool:
+    """Whether the fused norm / SiLU·mul + quantization kernels take rows of ``cols`` elements."""
+    return 0 < cols <= FUSED_QUANT_MAX_COLS
+
+
+def fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ dequant(weight)^T + bias`` with x quantized per token; ``weight`` fp8 [N, K], scales [N].
+    """``x @ dequant(weight)^T + bias`` with x quantized per token (here, or already: ``Fp8Activation``);
+    ``weight`` fp8 [N, K], scales [N].
 
     CUDA: up to ``TRITON_GEMM_MAX_TOKENS`` tokens the Triton ``fp8_gemm`` (bandwidth-bound decode),
     above that ``torch._scaled_mm`` with row-wise scales; elsewhere float32 torch ops.
     """
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    xq, xs = quantize_fp8_tokens(x2)
-    if x.is_cuda and x2.shape[0] <= TRITON_GEMM_MAX_TOKENS:
+    if isinstance(x, Fp8Activation):
+        shape, dtype, (xq, xs) = x.shape, x.dtype, (x.q, x.scale)
+    else:
+        shape, dtype = x.shape, x.dtype
+        xq, xs = quantize_fp8_tokens(x.reshape(-1, shape[-1]))
+    if xq.is_cuda and xq.shape[0] <= TRITON_GEMM_MAX_TOKENS:
         from rollout.layers.triton_fp8_gemm import fp8_gemm
 
-        out = fp8_gemm(xq, xs, weight, weight_scale, x.dtype)
-    elif x.is_cuda:
-        out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
+        out = fp8_gemm(xq, xs, weight, weight_scale, dtype)
+    elif xq.is_cuda:
+        out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=dtype)
     else:
-        out = ((xq.float() @ weight.float().t()) * xs * weight_scale.view(1, -1)).to(x.dtype)
+        out = ((xq.float() @ weight.float().t()) * xs * weight_scale.view(1, -1)).to(dtype)
     if bias is not None:
         out = out + bias
     return out.view(*shape[:-1], weight.shape[0])

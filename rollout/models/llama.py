@@ -14,6 +14,7 @@ from rollout.layers.attention import Attention
 from rollout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from rollout.layers.norm import RMSNorm
+from rollout.layers.quantization import Fp8Activation, fused_quant_supports
 from rollout.layers.rotary import RotaryEmbedding, rope_inv_freq
 from rollout.model_executor.forward_batch import ForwardBatch
 
@@ -34,7 +35,7 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim,
                               cfg.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | Fp8Activation, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         t = x.shape[0]
         q = q.reshape(t, -1, self.head_dim)
@@ -62,9 +63,14 @@ class LlamaMLP(nn.Module):
                                                        quant)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp, dtype, device, quant)
         self.fused = fused
+        self.quantize_act = fused and quant == "fp8" and fused_quant_supports(self.down_proj.in_local)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.quantize_act:  # one kernel: SiLU·mul and the per-token fp8 quantization of down_proj's input
+            from rollout.layers.triton_fused_quant import silu_mul_quant_fp8
+
+            return self.down_proj(silu_mul_quant_fp8(gate_up))
         if self.fused:
             from flashinfer.activation import silu_and_mul
 
@@ -81,8 +87,10 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, rotary, tp, dtype, device, fused, quant)
         self.mlp = LlamaMLP(cfg, tp, dtype, device, fused, quant)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
+        # before fp8 projections the fused norms also quantize their output (no separate kernel)
+        quantize = quant == "fp8" and fused_quant_supports(cfg.hidden_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused, quantize)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused, quantize)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
