@@ -20,15 +20,7 @@ import triton.language as tl
 
 from rollout.layers.quantization import (_MIN_SCALE, FP8_DTYPE, FP8_MAX, FUSED_QUANT_MAX_COLS, INV_FP8_MAX,
                                          Fp8Activation, fused_quant_supports)
-
-
-@triton.jit
-def _quantize_row(y, q_row, scale_ptr, row, cols, mask, fp8_max, inv_fp8_max, min_scale):
-    """Per-token fp8 quantization of one float32 row ``y`` (see ``quantize_fp8_tokens``)."""
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0) * inv_fp8_max, min_scale)
-    tl.store(scale_ptr + row, scale)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -fp8_max), fp8_max)
-    tl.store(q_row + cols, q.to(q_row.dtype.element_ty), mask=mask)
+from rollout.layers.triton_quant import quantize_row
 
 
 @triton.jit
@@ -49,7 +41,7 @@ def _add_rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, K, x_stri
     normed = (hf * inv_rms).to(dt).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (w * normed).to(dt).to(tl.float32)
-    _quantize_row(y, q_ptr + row.to(tl.int64) * q_stride, scale_ptr, row, cols, mask, fp8_max, inv_fp8_max,
+    quantize_row(y, q_ptr + row.to(tl.int64) * q_stride, scale_ptr, row, cols, mask, fp8_max, inv_fp8_max,
                   min_scale)
 
 
@@ -65,7 +57,7 @@ def _silu_mul_quant_kernel(gu_ptr, q_ptr, scale_ptr, N, gu_stride, q_stride, fp8
     u = tl.load(gu_row + N + cols, mask=mask, other=0.0).to(tl.float32)
     s = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(dt).to(tl.float32)
     y = (s * u).to(dt).to(tl.float32)
-    _quantize_row(y, q_ptr + row.to(tl.int64) * q_stride, scale_ptr, row, cols, mask, fp8_max, inv_fp8_max,
+    quantize_row(y, q_ptr + row.to(tl.int64) * q_stride, scale_ptr, row, cols, mask, fp8_max, inv_fp8_max,
                   min_scale)
 
 

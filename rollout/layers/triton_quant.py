@@ -21,6 +21,16 @@ _ONE_PASS_MAX = 8192  # rows up to this length are held in registers: read once 
 
 
 @triton.jit
+def quantize_row(y, q_row, scale_ptr, row, cols, mask, fp8_max, inv_fp8_max, min_scale):
+    """Store the per-token fp8 quantization of one float32 row ``y`` held whole (``cols`` its columns):
+    its scale at ``scale_ptr + row``, its values at ``q_row + cols``."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) * inv_fp8_max, min_scale)
+    tl.store(scale_ptr + row, scale)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -fp8_max), fp8_max)
+    tl.store(q_row + cols, q.to(q_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, x_stride, q_stride, fp8_max, inv_fp8_max, min_scale,
                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0)
@@ -30,10 +40,7 @@ def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, x_stride, q_stride, fp8_
         cols = tl.arange(0, BLOCK)
         mask = cols < K
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) * inv_fp8_max, min_scale)
-        tl.store(scale_ptr + row, scale)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
-        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        quantize_row(x, q_row, scale_ptr, row, cols, mask, fp8_max, inv_fp8_max, min_scale)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
