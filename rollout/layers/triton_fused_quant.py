@@ -37,7 +37,7 @@ def _add_rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, K, x_stri
         h = (h.to(tl.float32) + r.to(tl.float32)).to(dt)
         tl.store(res_row + cols, h, mask=mask)
     hf = h.to(tl.float32)
-    inv_rms = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(hf * hf, axis=0) / K + eps))
+    inv_rms = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(hf * hf, axis=0), K.to(tl.float32)) + eps))
     normed = (hf * inv_rms).to(dt).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (w * normed).to(dt).to(tl.float32)
