@@ -121,6 +121,16 @@ def main() -> None:
     else:
         print(f"batch {b}, context {ctx}: {step_ms:.2f} ms per decode step (launch + wait, no overlap); weights "
               f"read {mb.weight_bytes_read / 1e9:.2f} GB, KV read {kv_bytes / 1e9:.2f} GB", flush=True)
+    graphs = getattr(runner.graph_runner, "graphs", {})
+    if not args.prefill and b in graphs:  # the forward's own GPU timeline: its graph replayed back to back
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graphs[b].replay()
+        end.record()
+        end.synchronize()
+        print(f"decode graph replayed back to back (forward only, no sampling or host work): "
+              f"{start.elapsed_time(end) / 20:.2f} ms", flush=True)
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
