@@ -11,7 +11,8 @@ Hugging Face tensor in the model dtype:
 - product: ``(x_q @ w_q^T) * x_scale * w_scale`` accumulated in float32, output in the model dtype.
 
 On CUDA (sm90: row-wise ``torch._scaled_mm``) the product is ``fp8_linear``'s choice of kernel and the
-activation quantization is one Triton kernel; elsewhere the same arithmetic runs in float32 torch ops (the CPU reference).
+activation quantization is one Triton kernel, or part of the norm / SiLU·mul kernel before the projection
+(``Fp8Activation``, ``rollout.layers.triton_fused_quant``); elsewhere the same arithmetic runs in float32 torch ops (the CPU reference).
 Quantization is deterministic (IEEE division, round-to-nearest-even cast), so a trainer can compute the
 served tensors exactly: ``weight_sync.fingerprint(..., quantization="fp8")``.
 """
