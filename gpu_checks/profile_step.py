@@ -23,7 +23,7 @@ def build(args: argparse.Namespace):
     import tempfile
 
     from rollout.bench import model_bytes, preset_config
-    from rollout.config import EngineConfig, ModelConfig
+    from rollout.config import EngineConfig, ModelConfig, kv_cache_torch_dtype
     from rollout.distributed import TPGroup
     from rollout.model_executor.model_runner import ModelRunner
 
@@ -38,7 +38,7 @@ def build(args: argparse.Namespace):
                           max_running_requests=max(args.batch, 1), disable_cuda_graph=args.no_graph,
                           kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     runner = ModelRunner(config, cfg, TPGroup(), torch.device(args.device))
-    kv_bytes = 1 if args.kv_cache_dtype.startswith("fp8") else None
+    kv_bytes = kv_cache_torch_dtype(args.kv_cache_dtype, torch.bfloat16).itemsize
     return runner, cfg, model_bytes(cfg, 1, 2, kv_bytes, quantization=args.quantization)
 
 
@@ -70,6 +70,8 @@ def prefill_input(runner, batch: int, context: int, vocab: int):
 
 
 def main() -> None:
+    from rollout.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--preset", default="llama-3.1-8b")
@@ -80,8 +82,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--prefill", action="store_true", help="profile a prefill of B x L fresh tokens instead")
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--quantization", default=None, choices=[None, "fp8"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS)
     args = p.parse_args()
     from rollout.layers.sampler import SamplingRow
     from rollout.sampling_params import SamplingParams

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout.config import QUANTIZATION_METHODS
 from rollout.distributed import TPGroup
 
 
@@ -101,7 +102,7 @@ class _QuantizableLinear(nn.Module):
 
     def _make_weight(self, shape: tuple[int, int], dtype: torch.dtype, device: Any, quant: str | None,
                      shard_view: ShardViewFn) -> None:
-        if quant not in (None, "fp8"):
+        if quant is not None and quant not in QUANTIZATION_METHODS:
             raise ValueError(f"unsupported quantization {quant!r}")
         self.quant = quant
         if quant is None:

@@ -88,7 +88,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, layer_id, rotary, tp, dtype, device, fused, quant)
         self.mlp = LlamaMLP(cfg, tp, dtype, device, fused, quant)
         # before fp8 projections the fused norms also quantize their output (no separate kernel)
-        quantize = quant == "fp8" and fused_quant_supports(cfg.hidden_size)
+        quantize = fused and quant == "fp8" and fused_quant_supports(cfg.hidden_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused, quantize)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused, quantize)
 
