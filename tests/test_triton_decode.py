@@ -89,9 +89,13 @@ def test_bf16_query_with_float32_output_dtype_and_more_splits_than_tokens():
 
 
 def test_num_kv_splits_fills_the_device_and_stays_a_power_of_two():
-    assert num_kv_splits(256, 8, 132) == 1 and num_kv_splits(64, 8, 132) == 2
-    assert num_kv_splits(1, 8, 132) == 16 and num_kv_splits(16, 8, 132) == 8
-    assert all(s & (s - 1) == 0 for s in (num_kv_splits(b, 3, 78) for b in range(1, 300)))
+    assert num_kv_splits(256, 8, 132) == 1 and num_kv_splits(64, 8, 132) == 2 and num_kv_splits(32, 8, 132) == 2
+    assert num_kv_splits(1, 8, 132) == 16 and num_kv_splits(16, 8, 132) == 4
+    # float8 pools: four times the programs per SM (2 splits at 256 requests on 132 SMs)
+    assert num_kv_splits(256, 8, 132, 1) == 2 and num_kv_splits(128, 8, 132, 1) == 2
+    assert num_kv_splits(64, 8, 132, 1) == 4 and num_kv_splits(1, 8, 132, 1) == 16
+    assert num_kv_splits(300, 8, 132, 1) == 1 and num_kv_splits(1000, 8, 132) == 1
+    assert all(s & (s - 1) == 0 for s in (num_kv_splits(b, 3, 78, i) for b in range(1, 300) for i in (1, 2)))
 
 
 def test_rejects_bad_shapes_and_splits():

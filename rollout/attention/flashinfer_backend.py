@@ -145,7 +145,8 @@ class FlashInferBackend(AttentionBackend):
         torch.cumsum(batch.seq_lens, 0, dtype=torch.int32, out=indptr[1:])
         indices = kv_indices_for(batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                                  sum(batch.seq_lens_cpu), out=self.kv_indices_buf)
-        return TritonDecodeMetadata(indptr, indices, num_kv_splits(b, self.num_kv_heads, self.num_sms))
+        return TritonDecodeMetadata(indptr, indices, num_kv_splits(b, self.num_kv_heads, self.num_sms,
+                                                                 self.kv_dtype.itemsize))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: "Attention",
                 batch: "ForwardBatch") -> torch.Tensor:

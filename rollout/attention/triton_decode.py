@@ -3,9 +3,9 @@
 One program owns one KV head of one request (its GROUP q heads, padded to 16 rows) and one slice of
 the request's tokens. K/V tiles of BLOCK_N tokens stream through a software-pipelined loop
 (``num_stages`` tiles in flight), are widened to the compute type in registers (float8 pools: unit
-scale) and meet the queries on tensor cores with float32 accumulation and an online softmax.
+scale) and meet the queries on tensor cores with float32 accumulation and an online softmax (base 2).
 
-    stage 1, grid (batch, kv_heads, splits): partial output and log-sum-exp per split.
+    stage 1, grid (batch, kv_heads, splits): partial output and log-sum-exp (base 2) per split.
     stage 2, grid (batch, q_heads): merges the splits by their log-sum-exp (skipped when splits == 1).
 
 Semantics: ``out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b`` where K_b, V_b are the rows
@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+_LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class DecodeLaunch:
@@ -34,13 +35,13 @@ class DecodeLaunch:
 
 def default_launch(kv_dtype: torch.dtype) -> DecodeLaunch:
     """The fastest settings of ``gpu_checks/sweep_decode.py`` on H200 at 256 requests (engine slot layout,
-    8B and 1B heads): float8 pools 32 tokens / 1 warp / 4 stages (0.253 ms, 3.1 TB/s, vs 0.314 ms at the
-    16-bit pools' 64 / 2 / 4, which is within 3% of the best there)."""
-    return DecodeLaunch(32, 1, 4) if kv_dtype.itemsize == 1 else DecodeLaunch()
+    8B and 1B heads): float8 pools 32 tokens / 1 warp / 6 stages (0.240 ms, 3.3 TB/s; 4 stages: 0.249 ms),
+    16-bit pools 64 / 2 / 4 (within 3% of the best there)."""
+    return DecodeLaunch(32, 1, 6) if kv_dtype.itemsize == 1 else DecodeLaunch()
 
 
 @triton.jit
-def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, sm_scale,
+def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, qk_scale, v_scale,
                          q_sb, q_sh, k_ss, k_sh, v_ss, v_sh, o_sb, o_sh, m_sb, m_sh, m_ss, l_sb, l_sh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
@@ -77,17 +78,18 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
         kv_mask = n_ok[:, None] & d_ok[None, :]
         kt = tl.load(k_base + slot[:, None] * k_ss, mask=kv_mask, other=0.0)
         vt = tl.load(v_base + slot[:, None] * v_ss, mask=kv_mask, other=0.0)
-        s = tl.dot(qv, tl.trans(kt.to(compute))) * sm_scale
+        s = tl.dot(qv, tl.trans(kt.to(compute))) * qk_scale  # log2 units
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
         vt = vt.to(compute)
         if v_buf.dtype.element_ty.primitive_bitwidth == 8:
-            # Re-masking the widened tile keeps the widening where the tile was loaded (16-byte shared-memory
-            # reads, then ldmatrix.trans on the 16-bit copy); without it Triton widens inside the MMA operand
-            # layout, which reads the float8 V tile from shared memory one byte at a time.
-            vt = tl.where(n_ok[:, None], vt, 0.0)
+            # Scaling the widened tile by the pool's (unit) scale, a runtime value, keeps the widening where
+            # the tile was loaded (16-byte shared-memory reads, then ldmatrix.trans on the 16-bit copy);
+            # a bare widening is moved into the MMA operand layout, which reads the float8 V tile from
+            # shared memory one byte at a time. (A re-mask does the same at 2.5x the instructions.)
+            vt = vt * tl.cast(v_scale, compute)
         acc = acc * alpha[:, None] + tl.dot(p.to(compute), vt)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -98,7 +100,7 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
     else:  # an empty split leaves acc = 0 and lse = m_i = -inf, which the merge weighs as 0
         l_safe = tl.maximum(l_i, 1e-30)
         o = acc / l_safe[:, None]
-        lse = m_i + tl.log(l_safe)
+        lse = m_i + tl.log2(l_safe)
         tl.store(mid_o + b * m_sb + heads[:, None] * m_sh + split * m_ss + d[None, :], o, mask=o_mask)
         tl.store(mid_lse + b * l_sb + heads * l_sh + split, lse, mask=row_ok)
 
@@ -112,17 +114,21 @@ def _merge_splits_kernel(mid_o, mid_lse, out, m_sb, m_sh, m_ss, l_sb, l_sh, o_sb
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     lse = tl.load(mid_lse + b * l_sb + h * l_sh + s)
-    w = tl.exp(lse - tl.max(lse, 0))
+    w = tl.exp2(lse - tl.max(lse, 0))
     o = tl.load(mid_o + b * m_sb + h * m_sh + s[:, None] * m_ss + d[None, :], mask=d_ok[None, :], other=0.0)
     merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out + b * o_sb + h * o_sh + d, merged.to(out.dtype.element_ty), mask=d_ok)
 
 
-def num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
-    """Splits per request so that stage 1 has about four programs per SM (a power of two, 1..max_splits);
-    depends on the batch size only, so a CUDA graph captured for a batch size keeps it."""
-    want = triton.cdiv(4 * num_sms, max(1, batch_size * num_kv_heads))
-    return min(max_splits, triton.next_power_of_2(want))
+def num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int, kv_itemsize: int = 2, max_splits: int = 16) -> int:
+    """Splits per request so that stage 1 has at least ``programs_per_sm`` programs per SM, rounded down to
+    a power of two (1..max_splits): 4 for 16-bit pools; 16 for float8 pools, whose one-warp programs are
+    short and leave the last wave of 2,048 equal programs (256 requests x 8 KV heads) 22% full (H200,
+    ``gpu_checks/sweep_decode.py``: 2 splits 3% faster there, and at 128 and 192 requests).
+    Depends on the batch size only, so a CUDA graph captured for a batch size keeps it."""
+    programs_per_sm = 16 if kv_itemsize == 1 else 4
+    want = triton.cdiv(programs_per_sm * num_sms, max(1, batch_size * num_kv_heads))
+    return min(max_splits, 1 << (want.bit_length() - 1))
 
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
@@ -157,7 +163,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     else:
         mid_o, mid_lse = out, out  # unused
     _decode_split_kernel[(b, hk, num_splits)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, out, mid_o, mid_lse, sm_scale,
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, out, mid_o, mid_lse, sm_scale * _LOG2E, 1.0,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if num_splits > 1 else 0,
         mid_lse.stride(0), mid_lse.stride(1),
