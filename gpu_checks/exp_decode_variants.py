@@ -5,8 +5,10 @@
 CVT  0: widen with .to() and re-mask V (the engine's kernel); 1: widen V (and K when CVT_K) by inline
      PTX cvt in the load layout; 2: .to() without the re-mask.
 LAZY 1: rescale the accumulator only when a row's max grows by more than 8 (log2 units; exact).
-QK8  1: the query split as hi + lo float8 (per-row power-of-two scale); Q.K^T on float8 tensor cores
-     (K read as stored, no widening).
+QK8  1: the query split as hi + lo float8 (per-row power-of-two scale) for Q.K^T on float8 tensor cores.
+     Triton 3.6 compiles it to float16 MMAs with both operands widened (one-warp programs have no wgmma),
+     so K is still widened: 1261 loop instructions per tile vs 1092; not timed as a win.
+CVT 3 (``mulV``) is what the engine kernel does since 2026-11-22 (docs/results/*decode-variants*).
 """
 
 from __future__ import annotations
