@@ -79,7 +79,7 @@ def run_case(batch: int, context: int, hq: int, hk: int, d: int, kv_dtype: torch
     slots = batch * context
     indptr = torch.arange(0, slots + 1, context, dtype=torch.int32, device=dev)
     last = torch.ones(batch, dtype=torch.int32, device=dev)
-    splits = num_kv_splits(batch, hk, sms)
+    splits = num_kv_splits(batch, hk, sms, kv_dtype.itemsize)
     settings = [(n, w, s, splits) for n, w, s in itertools.product(*grid)]
     q = torch.randn(batch, hq, d, device=dev, dtype=q_dtype)
     k = torch.randn(slots + 1, hk, d, device=dev).to(kv_dtype)
