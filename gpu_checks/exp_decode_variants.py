@@ -127,25 +127,22 @@ def run_variant(q, k, v, indptr, indices, out, scale, block_n, warps, stages, cv
     return out
 
 
-VARIANTS = {  # name: (block_n, warps, stages, cvt, cvt_k, lazy, qk8)
-    "base": (32, 1, 4, 0, 0, 0, 0),
-    "mulV": (32, 1, 4, 3, 0, 0, 0),
-    "mulV-s3": (32, 1, 3, 3, 0, 0, 0),
-    "mulV-s5": (32, 1, 5, 3, 0, 0, 0),
-    "mulV-lazy": (32, 1, 4, 3, 0, 1, 0),
-    "mulV-lazy-s3": (32, 1, 3, 3, 0, 1, 0),
-    "mulV-64w2": (64, 2, 4, 3, 0, 0, 0),
-    "mulV-64w1": (64, 1, 3, 3, 0, 0, 0),
-    "mulV-lazy-64w2": (64, 2, 4, 3, 0, 1, 0),
-    "mulV-lazy-64w1": (64, 1, 3, 3, 0, 1, 0),
-    "mulV-16w1": (16, 1, 4, 3, 0, 0, 0),
-    "mulV-lazy-16w1": (16, 1, 6, 3, 0, 1, 0),
-    "plain": (32, 1, 4, 2, 0, 0, 0),
-}
-for _n, _w, _s in [(16, 1, 6), (16, 1, 8), (16, 1, 10), (32, 1, 5), (32, 1, 6), (32, 1, 7), (32, 1, 8),
-                   (32, 2, 5), (32, 2, 6), (64, 2, 5), (64, 2, 6), (64, 4, 5), (64, 4, 6)]:
-    VARIANTS[f"mulV-{_n}w{_w}s{_s}"] = (_n, _w, _s, 3, 0, 0, 0)
-    VARIANTS[f"base-{_n}w{_w}s{_s}"] = (_n, _w, _s, 0, 0, 0, 0)
+def _variants() -> dict[str, tuple[int, ...]]:
+    """name -> (block_n, warps, stages, cvt, cvt_k, lazy, qk8); the names of docs/results/*decode-variants*."""
+    named = {"base": (0, 0, 0, 0), "plain": (2, 0, 0, 0), "mulV": (3, 0, 0, 0), "mulV-lazy": (3, 0, 1, 0),
+             "asmV": (1, 0, 0, 0), "asmKV": (1, 1, 0, 0), "asmV-qk8": (1, 0, 0, 1)}
+    out = {name: (32, 1, 4, *flags) for name, flags in named.items()}
+    out.update({"mulV-s3": (32, 1, 3, 3, 0, 0, 0), "mulV-s5": (32, 1, 5, 3, 0, 0, 0),
+                "mulV-64w2": (64, 2, 4, 3, 0, 0, 0), "mulV-64w1": (64, 1, 3, 3, 0, 0, 0),
+                "mulV-16w1": (16, 1, 4, 3, 0, 0, 0)})
+    for n, w, st in [(16, 1, 6), (16, 1, 8), (16, 1, 10), (32, 1, 5), (32, 1, 6), (32, 1, 7), (32, 1, 8),
+                     (32, 2, 5), (32, 2, 6), (64, 2, 5), (64, 2, 6), (64, 4, 5), (64, 4, 6)]:
+        out[f"mulV-{n}w{w}s{st}"] = (n, w, st, 3, 0, 0, 0)
+        out[f"base-{n}w{w}s{st}"] = (n, w, st, 0, 0, 0, 0)
+    return out
+
+
+VARIANTS = _variants()
 
 
 def staircase(args, dev, decode_attention, slot_layout, time_ms) -> None:
