@@ -16,6 +16,7 @@ import torch
 
 from rollout.attention.base import AttentionBackend
 from rollout.attention.triton_decode import decode_attention, num_kv_splits
+from rollout.attention.triton_indices import write_kv_indices
 from rollout.config import DECODE_ATTENTION_BACKENDS
 from rollout.model_executor.forward_batch import ForwardMode
 
@@ -29,7 +30,8 @@ WORKSPACE_BYTES = 256 << 20
 def kv_indices_for(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, total: int,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Concatenation of ``req_to_token[rows[i], :seq_lens[i]]`` as int32, built on the device without
-    a host sync (``total`` = sum of seq_lens, known on the host)."""
+    a host sync (``total`` = sum of seq_lens, known on the host). Torch reference of
+    ``rollout.attention.triton_indices.write_kv_indices`` (one launch, used for Triton decode)."""
     seq_lens = seq_lens.to(torch.int64)
     starts = torch.cumsum(seq_lens, 0) - seq_lens
     row_of = torch.repeat_interleave(rows.to(torch.int64), seq_lens, output_size=total)
@@ -138,13 +140,13 @@ class FlashInferBackend(AttentionBackend):
         batch.attn_metadata = wrapper
 
     def _triton_decode_metadata(self, batch: "ForwardBatch", graph: DecodeGraphState | None) -> TritonDecodeMetadata:
-        """Device-side index lists (no host copy to wait for, so no event either): ``kv_indptr`` is the
-        cumulative sum of the device ``seq_lens``, written into the graph's fixed buffer when there is one."""
+        """Device-side index lists from one kernel launch (no host copy to wait for, so no event either):
+        ``kv_indptr`` (cumulative sum of the device ``seq_lens``, into the graph's fixed buffer when there
+        is one) and ``kv_indices`` (into ``kv_indices_buf``)."""
         b = len(batch.seq_lens_cpu)
-        indptr = graph.indptr if graph is not None else torch.zeros(b + 1, dtype=torch.int32, device=self.device)
-        torch.cumsum(batch.seq_lens, 0, dtype=torch.int32, out=indptr[1:])
-        indices = kv_indices_for(batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                                 sum(batch.seq_lens_cpu), out=self.kv_indices_buf)
+        indptr = graph.indptr if graph is not None else torch.empty(b + 1, dtype=torch.int32, device=self.device)
+        indices = write_kv_indices(batch.req_to_token, batch.req_pool_indices, batch.seq_lens, indptr,
+                                   self.kv_indices_buf, sum(batch.seq_lens_cpu))
         return TritonDecodeMetadata(indptr, indices, num_kv_splits(b, self.num_kv_heads, self.num_sms,
                                                                  self.kv_dtype.itemsize))
 
