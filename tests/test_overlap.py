@@ -82,15 +82,16 @@ def test_overlap_under_kv_pressure_retracts_and_stays_exact(path, hf_reference):
         assert ids == hf.greedy(prompt, 24) and reason == "length"
 
 
-def _scheduler(path: str, overlap: bool) -> Scheduler:
+def _scheduler(path: str, overlap: bool, **options) -> Scheduler:
     config = EngineConfig(path, dtype="float32", device="cpu", skip_tokenizer_init=True,
-                          disable_overlap_schedule=not overlap)
+                          disable_overlap_schedule=not overlap, **options)
     return Scheduler(config, ModelConfig.from_path(path), TPGroup(), torch.device("cpu"))
 
 
-def _launch_order(path: str, overlap: bool, prompts: list[list[int]], max_new: int) -> tuple[list[str], Scheduler]:
+def _launch_order(path: str, overlap: bool, prompts: list[list[int]], max_new: int,
+                  **options) -> tuple[list[str], Scheduler]:
     """Drive a scheduler in this process; log every launch and every result read, in order."""
-    sched = _scheduler(path, overlap)
+    sched = _scheduler(path, overlap, **options)
     events: list[str] = []
     launch, process = sched.launch, sched.process_results
 
@@ -125,3 +126,33 @@ def test_decode_step_is_launched_before_the_previous_one_is_read(path):
         sched.tree.total_size == sched.allocator.num_slots
     plain, _ = _launch_order(path, False, prompts, 5)  # without overlap: launch, read, launch, read, ...
     assert all(e.startswith("launch") for e in plain[::2]) and all(e.startswith("read") for e in plain[1::2])
+
+
+def test_prefill_batches_overlap_and_stay_exact(path, hf_reference):
+    # 24-token prefill batches: five prompts need four batches (one prompt is chunked across two)
+    prompts = prompts_of_lengths([10, 12, 9, 30, 11], seed=45)
+    events, sched = _launch_order(path, True, prompts, 4, max_prefill_tokens=24, chunked_prefill_size=16)
+    prefill = events[:events.index("launch decode")]
+    assert prefill[:3] == ["launch extend", "launch extend", "read extend"]  # batch 2 launched before 1 is read
+    assert prefill.count("launch extend") == prefill.count("read extend") >= 4
+    assert sched.in_flight is None and not sched.running and sched.allocator.available + \
+        sched.tree.total_size == sched.allocator.num_slots
+    hf = hf_reference(path)
+    options = dict(max_prefill_tokens=24, chunked_prefill_size=16)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    outs, _ = _run(path, True, prompts, params, **options)
+    without, _ = _run(path, False, prompts, params, **options)
+    _assert_same(outs, without)
+    for prompt, (ids, reason, _, _) in zip(prompts, outs):
+        assert ids == hf.greedy(prompt, 6) and reason == "length"
+
+
+def test_prompt_shared_with_the_prefill_in_flight_waits_and_reuses_its_cache(path, hf_reference):
+    # GRPO-style: four samples of one 40-token prompt, two per 80-token prefill batch
+    prompt = prompts_of_lengths([40], seed=46)[0]
+    params = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
+    with Engine(path, dtype="float32", device="cpu", max_prefill_tokens=80) as engine:
+        outs = engine.generate(prompt_token_ids=[prompt] * 4, sampling_params=params, use_tqdm=False)
+    expected = hf_reference(path).greedy(prompt, 3)
+    assert [o.outputs[0].token_ids for o in outs] == [expected] * 4
+    assert [o.num_cached_tokens for o in outs].count(0) == 1  # only the first computes the prompt

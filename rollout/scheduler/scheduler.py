@@ -51,6 +51,9 @@ class Scheduler(WeightUpdateMixin):
     token has one extra token computed by N+1, which is dropped; requests whose length ends them at N
     are left out of N+1. Anything that changes requests or weights (prefill, aborts, control calls,
     retraction, penalties that need the token history) first waits for the step in flight (``sync``).
+    Prefill steps overlap the same way: the next prefill batch is launched while the previous one runs
+    (its requests count as running for admission, and waiting requests that share its prompts wait for
+    it to be read and cached); the first decode step after a prefill waits for it, so its requests join.
     """
 
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, tp: TPGroup, device: torch.device,
@@ -189,18 +192,32 @@ class Scheduler(WeightUpdateMixin):
         launched = None
         if self.paused != "in_place":
             if (self.waiting and self.admitting) or self.chunked:
-                self.sync()
+                if not self._extend_in_flight():
+                    self.sync()
                 launched = self.schedule_prefill()
-            if launched is None and self.running:
-                launched = self.schedule_decode()
+                if launched is None and self._extend_in_flight():  # e.g. all waiting share its prompts
+                    self.sync()
+                    launched = self.schedule_prefill()
+            if launched is None:
+                if self._extend_in_flight():  # its requests join this decode step
+                    self.sync()
+                if self.running:
+                    launched = self.schedule_decode()
         self.sync()  # the step launched before this one
         if launched is not None:
-            if self.overlap and launched.inputs.mode == ForwardMode.DECODE:
+            if self.overlap:
                 self.in_flight = launched
             else:
                 self.process_results(launched)
         self.emit()
         self.stats.maybe_log(self)
+
+    def _extend_in_flight(self) -> bool:
+        return self.in_flight is not None and self.in_flight.inputs.mode == ForwardMode.EXTEND
+
+    def _in_flight_prefilled(self) -> list[Req]:
+        """Requests whose prefill completes in the extend step in flight (running once it is read)."""
+        return self.in_flight.sampled if self._extend_in_flight() else []
 
     def sync(self) -> None:
         """Read the results of the step in flight, if any (the host state is then complete)."""
@@ -239,24 +256,29 @@ class Scheduler(WeightUpdateMixin):
         budget = self.config.max_prefill_tokens
         reqs: list[Req] = []
         lens: list[int] = []
+        in_flight = self._in_flight_prefilled()
+        running = len(self.running) + len(in_flight)
         if self.chunked is not None:
-            n = self._admit_chunk(self.chunked, budget, headroom=len(self.running))
+            n = self._admit_chunk(self.chunked, budget, headroom=running)
             if n == 0:
                 return None
             reqs.append(self.chunked), lens.append(n)
             budget -= n
             if self.chunked.kv_len + n < self.chunked.seq_len:
                 return self._launch_extend(reqs, lens)
-        in_batch = RadixCache(lambda slots: None)
+            self.chunked = None  # its last chunk: it is running once this step is read
+        in_batch = RadixCache(lambda slots: None)  # prompts being computed: requests sharing them wait
+        for req in in_flight:
+            in_batch.insert(req.fill_ids, torch.zeros(len(req.fill_ids), dtype=torch.int64))
         deferred: list[Req] = []
         while self.waiting and budget > 0 and self.admitting:
-            if len(self.running) + len(reqs) >= self.config.max_running_requests or not self.req_pool.available:
+            if running + len(reqs) >= self.config.max_running_requests or not self.req_pool.available:
                 break
             req = self.waiting.popleft()
             if req.seq_len + 1 > self.allocator.num_slots:
                 self.finish(req, FinishReason("abort", message="sequence does not fit in the KV cache"))
                 continue
-            n = self._admit_new(req, budget, len(self.running) + len(reqs), in_batch)
+            n = self._admit_new(req, budget, running + len(reqs), in_batch)
             if n is None:
                 deferred.append(req)
                 continue

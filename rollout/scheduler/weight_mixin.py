@@ -37,7 +37,7 @@ class WeightUpdateMixin:
         """Run queued weight updates once nothing is in flight (or generation is paused)."""
         if not self.pending_updates:
             return
-        in_flight = self.running or self.chunked is not None
+        in_flight = self.running or self.chunked is not None or self.in_flight is not None  # (a prefill's)
         if in_flight and self.paused != "in_place":
             return
         self.sync()  # no forward may read the weights while they change
