@@ -43,16 +43,16 @@ def build(rows, vocab_size: int) -> SamplingBatchInfo:
     return info
 
 
-def fused(logits: torch.Tensor, info: SamplingBatchInfo, block_size=None):
+def fused(logits: torch.Tensor, info: SamplingBatchInfo, block_size=None, num_chunks=None):
     return triton_sampling.fused_sample(logits, info.temperatures, info.seeds, info.positions, info.is_greedy,
-                                        info.use_processed, block_size=block_size)
+                                        info.use_processed, block_size=block_size, num_chunks=num_chunks)
 
 
-def assert_matches_torch(logits: torch.Tensor, rows, block_size=None):
+def assert_matches_torch(logits: torch.Tensor, rows, block_size=None, num_chunks=None):
     """Tokens and ranks equal to the torch Sampler's, logprobs within 1e-5; returns the fused outputs."""
     info = build(rows, logits.shape[-1])
     ref = Sampler()(logits, info)
-    ids, logprobs, ranks = fused(logits, info, block_size)
+    ids, logprobs, ranks = fused(logits, info, block_size, num_chunks)
     assert ids.dtype == torch.int64 and ranks.dtype == torch.int64 and logprobs.dtype == torch.float32
     assert ids.shape == ranks.shape == logprobs.shape == (len(rows),)
     assert ids.tolist() == ref.next_token_ids.tolist()
@@ -166,6 +166,100 @@ def test_sample_depends_only_on_own_row():
     batch = torch.cat([randn(3, V, seed=10), target])
     together = fused(batch, build(mixed_rows(3) + [r], V))
     assert [t[0].item() for t in alone] == [t[3].item() for t in together]
+
+
+# ------------------------------------------------------------------------------------ row split
+
+
+def chunk_of(token: int, block_size: int, num_blocks: int, num_chunks: int) -> int:
+    """The chunk that holds ``token`` under ``fused_sample``'s layout."""
+    _, per_chunk = triton_sampling._chunk_layout(1, num_blocks, torch.device("cpu"), num_chunks)
+    return token // block_size // per_chunk
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2, 5, 7, 24, 100])
+def test_chunk_counts_match_torch_and_each_other(num_chunks):
+    """V = 3000 in blocks of 128: 24 blocks, the last partial; 5 and 7 chunks leave a shorter last chunk,
+    24 and 100 (clamped) give one block per chunk."""
+    V, B, block = 3000, 10, 128
+    logits = randn(B, V, seed=12)
+    rows = mixed_rows(B, salt=12)
+    ids, logprobs, ranks = assert_matches_torch(logits, rows, block, num_chunks)
+    one_ids, one_logprobs, one_ranks = fused(logits, build(rows, V), block, 1)
+    assert torch.equal(ids, one_ids) and torch.equal(ranks, one_ranks)
+    torch.testing.assert_close(logprobs, one_logprobs, atol=1e-6, rtol=0)
+    if num_chunks > 1:  # some rank sums counts of several chunks
+        spread = [len({chunk_of(int(j), block, 24, num_chunks) for j in (logits[i] > logits[i, ids[i]]).nonzero()})
+                  for i, r in enumerate(rows) if r.params.temperature > 0 and r.params.logprobs_mode == "raw"]
+        assert max(spread) >= 2
+
+
+@pytest.mark.parametrize("num_chunks", [3, 8])
+def test_greedy_ties_across_chunk_boundaries_pick_lowest_index(num_chunks):
+    """Blocks of 128 over V = 1024: 3 chunks are blocks [0, 3), [3, 6), [6, 8); 8 chunks one block each."""
+    logits = torch.zeros(5, 1024, device=DEVICE)
+    logits[0, [384, 383]] = 4.0          # the last entry of chunk 0 (of 3) and the first of chunk 1
+    logits[1, [128, 127]] = 4.0          # the same at the first boundary of 8 chunks
+    logits[2, [1023, 900, 768]] = 4.0    # ties inside the last chunk and the one before it
+    logits[3, [1000, 5]] = 4.0           # first and last chunk
+    ids, _, ranks = assert_matches_torch(logits, [row(temperature=0.0)] * 5, 128, num_chunks)
+    assert ids.tolist() == [383, 127, 768, 5, 0] and ranks.tolist() == [1] * 5
+
+
+def test_chunks_that_are_all_neg_inf():
+    """4 chunks of 256 over V = 1024: rows whose finite entries sit in one chunk (or one entry)."""
+    V, block = 1024, 128
+    logits = randn(8, V, seed=13)
+    logits[0, :512] = NEG_INF            # chunks 0 and 1 banned
+    logits[1, :768] = NEG_INF            # only the last chunk finite
+    logits[2, 256:] = NEG_INF            # only the first chunk finite
+    logits[3, :] = NEG_INF
+    logits[3, 600] = 1.5                 # one finite entry, in chunk 2
+    logits[4, 256:768] = NEG_INF         # the middle chunks banned
+    logits[5:, 300:700] = NEG_INF
+    rows = [row(seed=s, output_len=s, temperature=t, logprobs_mode=mode)
+            for s, (t, mode) in enumerate([(0.0, "raw"), (0.8, "raw"), (1.3, "processed"), (0.7, "processed"),
+                                           (0.0, "processed"), (1.0, "raw"), (0.5, "processed"), (0.0, "raw")])]
+    ids, logprobs, ranks = assert_matches_torch(logits, rows, block, 4)
+    assert ids[0] >= 512 and ids[1] >= 768 and ids[2] < 256 and ids[3] == 600
+    assert ranks[3] == 1 and logprobs[3] == 0.0
+    assert torch.isfinite(logprobs).all()
+
+
+def test_batch_of_one_splits_its_row():
+    V, block = 4000, 256  # 16 blocks: 4 chunks by default off CUDA, or one per block
+    logits = randn(1, V, seed=14)
+    for r in (row(seed=3, output_len=9, temperature=1.1), row(temperature=0.0),
+              row(seed=5, temperature=0.6, logprobs_mode="processed")):
+        outs = [assert_matches_torch(logits, [r], block, n) for n in (None, 1, 16)]
+        assert all(torch.equal(a[0], outs[0][0]) and torch.equal(a[2], outs[0][2]) for a in outs)
+
+
+def test_chunk_layout_rule(monkeypatch):
+    """1 <= S <= blocks, no empty chunk, the fewest blocks per chunk for the S asked; on CUDA S aims at
+    4 programs per SM over the batch."""
+    cpu = torch.device("cpu")
+    for batch in (1, 2, 7, 256, 1000):
+        for num_blocks in (1, 2, 5, 24, 63, 64):
+            for asked in (None, 1, 3, 7, 64, 500):
+                chunks, per_chunk = triton_sampling._chunk_layout(batch, num_blocks, cpu, asked)
+                want = min(triton_sampling._INTERPRETER_CHUNKS if asked is None else asked, num_blocks)
+                assert 1 <= chunks <= num_blocks
+                assert (chunks - 1) * per_chunk < num_blocks <= chunks * per_chunk
+                assert per_chunk == -(-num_blocks // want)
+    assert triton_sampling._chunk_layout(3, 24, cpu) == (4, 6)  # the CPU tests run multi-chunk paths
+
+    class H200:
+        multi_processor_count = 132
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H200())
+    cuda = torch.device("cuda", 0)
+    vocab_blocks = -(-128256 // 2048)  # 63
+    assert triton_sampling._chunk_layout(256, vocab_blocks, cuda) == (3, 21)
+    assert triton_sampling._chunk_layout(1, vocab_blocks, cuda) == (63, 1)
+    assert triton_sampling._chunk_layout(64, vocab_blocks, cuda) == (9, 7)
+    assert triton_sampling._chunk_layout(13, vocab_blocks, cuda) == (32, 2)  # 41 asked: 2 blocks each either way
+    assert triton_sampling._chunk_layout(1024, vocab_blocks, cuda) == (1, 63)
+    assert triton_sampling._chunk_layout(5, 4, cuda, 2) == (2, 2)  # num_chunks overrides the SM rule
 
 
 # ---------------------------------------------------------------------------------------- dispatch

@@ -1,14 +1,20 @@
 """Fused Triton sampler for the common RL fast path of :class:`rollout.layers.sampler.Sampler`.
 
-Fast path: no penalties, no top-k / top-p / min-p, no top logprobs (``SamplingBatchInfo.fast_path``). One
-program per row, at most two loops over its logits:
+Fast path: no penalties, no top-k / top-p / min-p, no top logprobs (``SamplingBatchInfo.fast_path``). Each
+row's vocabulary is cut into S chunks of whole blocks, one program per (row, chunk), so that B x S programs
+fill the GPU at any batch size (see ``_chunk_layout``). Two launches, both over the (B, S) grid:
 
-1. online log-sum-exp of the row's chosen distribution, the argmax of the logits (greedy rows) or of the
-   exponential race ``logits / T - log(-log(U))`` (random rows, with the same hash as ``uniform_noise``), and
-   the max of every block. A block whose max cannot beat the race's best so far skips the hash.
-2. random rows only: the rank of the sampled token, reading only the blocks whose max ranks above it.
+1. ``_scan_kernel``: each program scans its chunk once: online max and sum-exp of the row's chosen
+   distribution, the chunk's argmax of the logits (greedy rows) or of the exponential race
+   ``logits / T - log(-log(U))`` (random rows, with the same hash as ``uniform_noise``), and the max of every
+   block. A block whose max cannot beat the chunk's race best so far skips the hash. The partials go to a
+   small float32 scratch tensor.
+2. ``_finish_kernel``: each program combines its row's S partials in a fixed order (so all programs of a
+   row get bit-identical max, log-sum-exp and token; ties go to the lowest token id), and, on random rows,
+   counts the entries of its own chunk that rank above the token, reading only the blocks whose max does,
+   and adds the count to the row's rank atomically. Chunk 0 stores the token and its logprob.
 
-Greedy rows need only loop 1 (their token is the argmax of the raw distribution, so its rank is 1).
+Greedy rows need no count (their token is the argmax of the raw distribution, so its rank is 1).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ _PROCESSED = tl.constexpr(2)  # race on logits / T; distribution log_softmax(log
 # below best - 17 cannot win the race.
 _RACE_BOUND = tl.constexpr(17.0)
 _BLOCK = 2048
+_PROGRAMS_PER_SM = 4    # chunk rule on CUDA: B x S programs >= this many per SM
+_INTERPRETER_CHUNKS = 4  # chunks per row off CUDA, so the CPU tests run the multi-chunk paths
 _MAX_INT32 = tl.constexpr(2**31 - 1)
 
 
@@ -106,9 +114,13 @@ def _argmax_update(v, offs, v_max, tok, best):
 
 
 @triton.jit
-def _scan(row_ptr, t, key, key2, V: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
-    """Loop 1 over a row -> (token, m, lse, block maxima) of the chosen distribution y (logits, or logits / T
-    for _PROCESSED): m = max(y), lse = log(sum(exp(y - m))), block maxima of y as an [NB] vector."""
+def _scan_chunk(row_ptr, t, key, key2, blk_lo, blk_hi, V: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
+                NB: tl.constexpr):
+    """Loop over blocks [blk_lo, blk_hi) of a row (blk_lo < blk_hi) -> (tok, best, m, s, blk_max) of the
+    chosen distribution y (logits, or logits / T for _PROCESSED) on that chunk: tok / best the argmax of the
+    logits (greedy) or of the race, lowest id on ties (tok 0, best -inf when nothing beats -inf);
+    m = max(y); s = sum(exp(y - m)) (0 when m is -inf); the block maxima of y at their block ids in an
+    [NB] vector (-inf elsewhere)."""
     offs0 = tl.arange(0, BLOCK)
     blk_ids = tl.arange(0, NB)
     blk_max = tl.full([NB], float("-inf"), tl.float32)
@@ -116,13 +128,14 @@ def _scan(row_ptr, t, key, key2, V: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.
     m = tl.full([], float("-inf"), tl.float32)
     best = tl.full([], float("-inf"), tl.float32)
     tok = tl.zeros([], tl.int32)
-    x_next = tl.load(row_ptr + offs0, mask=offs0 < V, other=float("-inf"))
-    for i in range(0, tl.cdiv(V, BLOCK)):
+    end = tl.minimum(blk_hi * BLOCK, V)
+    offs_next = blk_lo * BLOCK + offs0
+    x_next = tl.load(row_ptr + offs_next, mask=offs_next < end, other=float("-inf"))
+    for i in range(blk_lo, blk_hi):
         offs = i * BLOCK + offs0
         x = x_next.to(tl.float32)
-        # prefetch: the next block's load is in flight while this one is reduced (one row per program
-        # leaves few warps per SM to hide memory latency)
-        x_next = tl.load(row_ptr + offs + BLOCK, mask=offs + BLOCK < V, other=float("-inf"))
+        # prefetch: the next block's load is in flight while this one is reduced
+        x_next = tl.load(row_ptr + offs + BLOCK, mask=offs + BLOCK < end, other=float("-inf"))
         y = x
         if MODE == _PROCESSED:
             y = tl.math.div_rn(x, t)
@@ -138,77 +151,161 @@ def _scan(row_ptr, t, key, key2, V: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.
             z_max = y_max
             if MODE == _RAW:
                 z_max = tl.math.div_rn(y_max, t)  # division by T > 0 rounds monotonically
-            if z_max + _RACE_BOUND >= best:
+            if z_max + _RACE_BOUND >= best:  # else no entry of the block can reach the chunk's best
                 z = y
                 if MODE == _RAW:
                     z = tl.math.div_rn(x, t)
                 score = z - _log(-_log(_uniform(offs, key, key2)))
                 tok, best = _argmax_update(score, offs, tl.max(score, axis=0), tok, best)
-    return tok, m, _log(tl.sum(acc, axis=0)), blk_max
+    return tok, best, m, tl.sum(acc, axis=0), blk_max
 
 
 @triton.jit
-def _rank(row_ptr, t, m, lse, lp_tok, blk_max, V: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
-          NB: tl.constexpr):
-    """Loop 2: 1 + number of entries whose logprob (y - m) - lse is strictly above ``lp_tok``. That expression
-    rounds monotonically in y, so a block whose max is not above the token holds no such entry: skip it."""
+def _chunk_blocks(chunk, blocks_per_chunk, V: tl.constexpr, BLOCK: tl.constexpr):
+    """The block range [lo, hi) of ``chunk``: chunks of ``blocks_per_chunk`` blocks, the last one shorter."""
+    lo = chunk * blocks_per_chunk
+    return lo, tl.minimum(lo + blocks_per_chunk, tl.cdiv(V, BLOCK))
+
+
+@triton.jit
+def _scan_kernel(logits_ptr, stride, temp_ptr, seed_ptr, pos_ptr, greedy_ptr, processed_ptr, part_ptr, tok_ptr,
+                 rank_ptr, width, n_chunks, blocks_per_chunk, V: tl.constexpr, BLOCK: tl.constexpr,
+                 NB: tl.constexpr):
+    """Program (row, chunk): the chunk's partials into the row's scratch (layout in ``fused_sample``);
+    chunk 0 also sets the row's rank to 1, the base ``_finish_kernel`` adds its counts to."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+    t = tl.load(temp_ptr + row).to(tl.float32)
+    key, key2 = _row_keys(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
+    lo, hi = _chunk_blocks(chunk, blocks_per_chunk, V, BLOCK)
+    if tl.load(greedy_ptr + row):
+        tok, best, m, s, blk_max = _scan_chunk(row_ptr, t, key, key2, lo, hi, V, _GREEDY, BLOCK, NB)
+    elif tl.load(processed_ptr + row):
+        tok, best, m, s, blk_max = _scan_chunk(row_ptr, t, key, key2, lo, hi, V, _PROCESSED, BLOCK, NB)
+    else:
+        tok, best, m, s, blk_max = _scan_chunk(row_ptr, t, key, key2, lo, hi, V, _RAW, BLOCK, NB)
+    part_ptr += row * width
+    tl.store(part_ptr + chunk, m)
+    tl.store(part_ptr + n_chunks + chunk, s)
+    tl.store(part_ptr + 2 * n_chunks + chunk, best)
+    tl.store(tok_ptr + row * width + 3 * n_chunks + chunk, tok)
+    blk_ids = tl.arange(0, NB)
+    tl.store(part_ptr + 4 * n_chunks + blk_ids, blk_max, mask=(blk_ids >= lo) & (blk_ids < hi))
+    if chunk == 0:
+        tl.store(rank_ptr + row, 1)
+
+
+@triton.jit
+def _combine(part_ptr, tok_ptr, n_chunks, NB: tl.constexpr):
+    """A row's chunk partials (row scratch at ``part_ptr`` / ``tok_ptr``) -> (tok, m, lse), reduced in one
+    fixed order so every program of the row gets the same bits: m = max(y), lse = log(sum(exp(y - m))),
+    tok = the partial tok of highest best, the lowest id on ties (chunks hold increasing ids)."""
+    ids = tl.arange(0, NB)
+    used = ids < n_chunks
+    m_c = tl.load(part_ptr + ids, mask=used, other=float("-inf"))
+    s_c = tl.load(part_ptr + n_chunks + ids, mask=used, other=0.0)
+    best_c = tl.load(part_ptr + 2 * n_chunks + ids, mask=used, other=float("-inf"))
+    tok_c = tl.load(tok_ptr + 3 * n_chunks + ids, mask=used, other=_MAX_INT32)
+    m = tl.max(m_c, axis=0)
+    shift = tl.where(m == float("-inf"), 0.0, m)  # all -inf: s_c are 0, keep their weights out of NaN
+    s = tl.sum(s_c * tl.exp(m_c - shift), axis=0)
+    best = tl.max(best_c, axis=0)
+    tok = tl.min(tl.where(best_c == best, tok_c, _MAX_INT32), axis=0)
+    return tok, m, _log(s)
+
+
+@triton.jit
+def _count_above(row_ptr, t, m, lse, lp_tok, blk_max, lo, hi, V: tl.constexpr, MODE: tl.constexpr,
+                 BLOCK: tl.constexpr, NB: tl.constexpr):
+    """Number of entries in blocks [lo, hi) whose logprob (y - m) - lse is strictly above ``lp_tok``. That
+    expression rounds monotonically in y, so a block whose max (from ``blk_max``) is not above the token
+    holds no such entry: skip it."""
     offs0 = tl.arange(0, BLOCK)
     blk_ids = tl.arange(0, NB)
     count = tl.zeros([BLOCK], tl.int32)
-    for i in range(0, tl.cdiv(V, BLOCK)):
-        y_max = tl.max(tl.where(blk_ids == i, blk_max, float("-inf")), axis=0)
-        if (y_max - m) - lse > lp_tok:
-            offs = i * BLOCK + offs0
-            y = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            if MODE == _PROCESSED:
-                y = tl.math.div_rn(y, t)
-            count += (((y - m) - lse) > lp_tok).to(tl.int32)
-    return 1 + tl.sum(count, axis=0)
+    if (tl.max(blk_max, axis=0) - m) - lse > lp_tok:  # else the whole chunk is at or below the token
+        for i in range(lo, hi):
+            y_max = tl.max(tl.where(blk_ids == i, blk_max, float("-inf")), axis=0)
+            if (y_max - m) - lse > lp_tok:
+                offs = i * BLOCK + offs0
+                y = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+                if MODE == _PROCESSED:
+                    y = tl.math.div_rn(y, t)
+                count += (((y - m) - lse) > lp_tok).to(tl.int32)
+    return tl.sum(count, axis=0)
 
 
 @triton.jit
-def _sample_row(row_ptr, t, key, key2, ids_ptr, lp_ptr, rank_ptr,
-                V: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
-    """Token, logprob and rank of one row in mode ``MODE``, stored at ``ids_ptr`` / ``lp_ptr`` / ``rank_ptr``."""
-    tok, m, lse, blk_max = _scan(row_ptr, t, key, key2, V, MODE, BLOCK, NB)
+def _finish_chunk(row_ptr, t, part_ptr, tok_ptr, ids_ptr, lp_ptr, rank_ptr, chunk, n_chunks, blocks_per_chunk,
+                  V: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """Program (row, chunk) of a row in mode ``MODE``: the row's token and logprob (stored by chunk 0) and,
+    on random rows, the chunk's entries above the token added to ``rank_ptr``."""
+    tok, m, lse = _combine(part_ptr, tok_ptr, n_chunks, NB)
     y_tok = tl.load(row_ptr + tok).to(tl.float32)
     if MODE == _PROCESSED:
         y_tok = tl.math.div_rn(y_tok, t)
     lp_tok = (y_tok - m) - lse  # the same expression (and rounding) as log_softmax
-    rank = 1
+    if chunk == 0:
+        tl.store(ids_ptr, tok)
+        tl.store(lp_ptr, lp_tok)
     if MODE != _GREEDY:
-        rank = _rank(row_ptr, t, m, lse, lp_tok, blk_max, V, MODE, BLOCK, NB)
-    tl.store(ids_ptr, tok)
-    tl.store(lp_ptr, lp_tok)
-    tl.store(rank_ptr, rank)
+        lo, hi = _chunk_blocks(chunk, blocks_per_chunk, V, BLOCK)
+        blk_ids = tl.arange(0, NB)
+        blk_max = tl.load(part_ptr + 4 * n_chunks + blk_ids, mask=(blk_ids >= lo) & (blk_ids < hi),
+                          other=float("-inf"))
+        count = _count_above(row_ptr, t, m, lse, lp_tok, blk_max, lo, hi, V, MODE, BLOCK, NB)
+        tl.atomic_add(rank_ptr, count, mask=count > 0, sem="relaxed")
 
 
 @triton.jit
-def _fused_sample_kernel(logits_ptr, stride, temp_ptr, seed_ptr, pos_ptr, greedy_ptr, processed_ptr,
-                         ids_ptr, lp_ptr, rank_ptr, V: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
-    """One program per row; the row's mode (greedy / raw / processed) picks a specialized body."""
+def _finish_kernel(logits_ptr, stride, temp_ptr, greedy_ptr, processed_ptr, part_ptr, tok_ptr, ids_ptr, lp_ptr,
+                   rank_ptr, width, n_chunks, blocks_per_chunk, V: tl.constexpr, BLOCK: tl.constexpr,
+                   NB: tl.constexpr):
+    """Program (row, chunk) after ``_scan_kernel``; greedy rows need only their chunk 0 (rank stays 1)."""
     row = tl.program_id(0)
+    chunk = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
     t = tl.load(temp_ptr + row).to(tl.float32)
-    key, key2 = _row_keys(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
+    part_ptr += row * width
+    tok_ptr += row * width
     ids_ptr += row
     lp_ptr += row
     rank_ptr += row
     if tl.load(greedy_ptr + row):
-        _sample_row(row_ptr, t, key, key2, ids_ptr, lp_ptr, rank_ptr, V, _GREEDY, BLOCK, NB)
+        if chunk == 0:
+            _finish_chunk(row_ptr, t, part_ptr, tok_ptr, ids_ptr, lp_ptr, rank_ptr, chunk, n_chunks,
+                          blocks_per_chunk, V, _GREEDY, BLOCK, NB)
     elif tl.load(processed_ptr + row):
-        _sample_row(row_ptr, t, key, key2, ids_ptr, lp_ptr, rank_ptr, V, _PROCESSED, BLOCK, NB)
+        _finish_chunk(row_ptr, t, part_ptr, tok_ptr, ids_ptr, lp_ptr, rank_ptr, chunk, n_chunks, blocks_per_chunk,
+                      V, _PROCESSED, BLOCK, NB)
     else:
-        _sample_row(row_ptr, t, key, key2, ids_ptr, lp_ptr, rank_ptr, V, _RAW, BLOCK, NB)
+        _finish_chunk(row_ptr, t, part_ptr, tok_ptr, ids_ptr, lp_ptr, rank_ptr, chunk, n_chunks, blocks_per_chunk,
+                      V, _RAW, BLOCK, NB)
+
+
+def _chunk_layout(batch: int, num_blocks: int, device: torch.device, num_chunks: int | None = None) -> tuple[int, int]:
+    """-> (chunks S, blocks per chunk) for a [batch, num_blocks blocks] problem: 1 <= S <= num_blocks and no
+    chunk is empty (the last may be shorter). S aims at ``_PROGRAMS_PER_SM`` programs per SM over the
+    batch on CUDA, ``_INTERPRETER_CHUNKS`` elsewhere; ``num_chunks`` asks for a count instead (it is
+    clamped, and lowered where equal chunks of whole blocks cannot make that many)."""
+    if num_chunks is None:
+        if device.type == "cuda":
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            num_chunks = triton.cdiv(_PROGRAMS_PER_SM * num_sms, batch)
+        else:
+            num_chunks = _INTERPRETER_CHUNKS
+    per_chunk = triton.cdiv(num_blocks, max(1, min(num_chunks, num_blocks)))
+    return triton.cdiv(num_blocks, per_chunk), per_chunk
 
 
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                 is_greedy: torch.Tensor, use_processed: torch.Tensor, *,
-                 block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 is_greedy: torch.Tensor, use_processed: torch.Tensor, *, block_size: int | None = None,
+                 num_chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (next_token_ids int64 [B], logprobs float32 [B], ranks int64 [B])
 
     ``Sampler.forward`` for a batch on the fast path (no penalties, top-k, top-p, min-p or top logprobs), in
-    one kernel launch and without host syncs. ``logits`` [B, V] any float dtype (computed in float32, last
+    two kernel launches and without host syncs. ``logits`` [B, V] any float dtype (computed in float32, last
     dim contiguous); per-row [B] tensors on the same device: ``temperatures`` float32 (ignored on greedy
     rows), ``seeds`` int64 (seed mod 2**64 as two's complement), ``positions`` int64 (output_len),
     ``is_greedy`` bool, ``use_processed`` bool (logprobs_mode == "processed").
@@ -217,7 +314,8 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.
     Random rows: token = argmax(logits / T - log(-log(U))) with U = ``uniform_noise(seeds, positions, V)``;
     logprob and rank in the raw distribution log_softmax(logits), or in log_softmax(logits / T) when
     ``use_processed``; rank = 1 + number of entries strictly above the token's. ``block_size`` (a power of
-    two) overrides the tile each program loops over, for tests and tuning.
+    two) overrides the tile each program loops over, and ``num_chunks`` the number of programs each row is
+    split over (see ``_chunk_layout``), for tests and tuning; tokens and ranks do not depend on either.
     """
     B, V = logits.shape
     device = logits.device
@@ -229,10 +327,19 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     block = block_size or min(_BLOCK, triton.next_power_of_2(V))
-    _fused_sample_kernel[(B,)](
-        logits, logits.stride(0), temperatures.contiguous(), seeds.contiguous(), positions.contiguous(),
-        is_greedy.contiguous(), use_processed.contiguous(), ids, logprobs, ranks,
-        V=V, BLOCK=block, NB=triton.next_power_of_2(triton.cdiv(V, block)), num_warps=8 if block >= 2048 else 4)
+    num_blocks = triton.cdiv(V, block)
+    chunks, per_chunk = _chunk_layout(B, num_blocks, device, num_chunks)
+    # per row, S = chunks: [m (S) | sum-exp (S) | race or argmax best (S) | its token (S, int32 bits) |
+    # block maxima (num_blocks)], float32
+    width = 4 * chunks + num_blocks
+    scratch = torch.empty(B, width, dtype=torch.float32, device=device)
+    rows = (logits, logits.stride(0), temperatures.contiguous())
+    flags = (is_greedy.contiguous(), use_processed.contiguous())
+    layout = dict(width=width, n_chunks=chunks, blocks_per_chunk=per_chunk, V=V, BLOCK=block,
+                  NB=triton.next_power_of_2(num_blocks), num_warps=8 if block >= 2048 else 4)
+    _scan_kernel[(B, chunks)](*rows, seeds.contiguous(), positions.contiguous(), *flags, scratch,
+                              scratch.view(torch.int32), ranks, **layout)
+    _finish_kernel[(B, chunks)](*rows, *flags, scratch, scratch.view(torch.int32), ids, logprobs, ranks, **layout)
     return ids, logprobs, ranks
 
 
