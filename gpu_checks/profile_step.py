@@ -42,12 +42,12 @@ def build(args: argparse.Namespace):
     return runner, cfg, model_bytes(cfg, 1, 2, kv_bytes, quantization=args.quantization)
 
 
-def decode_input(runner, batch: int, context: int, step: int):
-    """Step ``step`` of B requests that each hold ``context`` tokens (rows 0..B-1, slots laid out per row)."""
+def decode_input(runner, batch: int, context: int, step: int, per_row: int):
+    """Step ``step`` of B requests that each hold ``context`` tokens (rows 0..B-1, ``per_row`` slots per row,
+    ``context + step < per_row``)."""
     from rollout.model_executor.forward_batch import ForwardMode
     from rollout.model_executor.model_runner import StepInput
 
-    per_row = context + 64 + step
     rows = list(range(batch))
     pos = [context + step] * batch
     slots = torch.tensor([1 + r * per_row + context + step for r in rows], dtype=torch.int64)
@@ -101,11 +101,23 @@ def main() -> None:
                                              eos_token_ids=[]) for i in range(b)])
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
-    def one(step: int) -> None:
+    def launch(step: int):
         if args.prefill:
-            runner.run_step(prefill_input(runner, b, ctx, cfg.vocab_size), list(range(b)), info).wait()
-        else:
-            runner.run_step(decode_input(runner, b, ctx, step), list(range(b)), info).wait()
+            return runner.run_step(prefill_input(runner, b, ctx, cfg.vocab_size), list(range(b)), info)
+        return runner.run_step(decode_input(runner, b, ctx, step, per_row), list(range(b)), info)
+
+    def one(step: int) -> None:
+        launch(step).wait()
+
+    def overlapped(steps: range) -> None:
+        """As the scheduler runs decode: step s+1 is launched before step s is waited for."""
+        prev = None
+        for s in steps:
+            out = launch(s)
+            if prev is not None:
+                prev.wait()
+            prev = out
+        prev.wait()
 
     for s in range(5):
         one(s)
@@ -123,6 +135,11 @@ def main() -> None:
     else:
         print(f"batch {b}, context {ctx}: {step_ms:.2f} ms per decode step (launch + wait, no overlap); weights "
               f"read {mb.weight_bytes_read / 1e9:.2f} GB, KV read {kv_bytes / 1e9:.2f} GB", flush=True)
+    if not args.prefill:
+        t0 = time.perf_counter()
+        overlapped(range(5 + n, 5 + 2 * n))
+        print(f"overlapped as the scheduler runs them (step s+1 launched before s is read): "
+              f"{(time.perf_counter() - t0) / n * 1000:.2f} ms per decode step", flush=True)
     graphs = getattr(runner.graph_runner, "graphs", {})
     if not args.prefill and b in graphs:  # the forward's own GPU timeline: its graph replayed back to back
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -137,11 +154,48 @@ def main() -> None:
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with profile(activities=acts) as prof:
-        for s in range(5 + n, 5 + n + 5):
-            one(s)
+        if args.prefill:
+            for s in range(5 + 2 * n, 5 + 2 * n + 5):
+                one(s)
+        else:
+            overlapped(range(5 + 2 * n, 5 + 2 * n + 5))
         sync()
     key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+    if args.device == "cuda":
+        print_gaps(prof)
+
+
+def print_gaps(prof, top: int = 12) -> None:
+    """The GPU timeline of the profiled window: busy vs idle, and the idle time summed by the pair of
+    kernels around it (the largest first)."""
+    import collections
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    if not kernels:
+        return
+    span = kernels[-1][1] - kernels[0][0]
+    busy = sum(end - start for start, end, _ in kernels)
+    by_pair: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    end_prev, name_prev = kernels[0][1], kernels[0][2]
+    for start, end, name in kernels[1:]:
+        if start > end_prev:
+            entry = by_pair[(name_prev[:40], name[:40])]
+            entry[0] += start - end_prev
+            entry[1] += 1
+        if end > end_prev:
+            end_prev, name_prev = end, name
+    idle = sum(v[0] for v in by_pair.values())
+    print(f"GPU timeline: {len(kernels)} kernels/copies over {span / 1000:.2f} ms, busy {busy / 1000:.2f} ms, "
+          f"idle {idle / 1000:.2f} ms")
+    for (a, b_), (t, c) in sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  idle {t / 1000:7.3f} ms in {c:5d} gaps: {a} -> {b_}")
 
 
 if __name__ == "__main__":
