@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.layers.triton_pdl import pdl_enabled, pdl_prologue
+
 _LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
@@ -45,7 +47,8 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
                          q_sb, q_sh, k_ss, k_sh, v_ss, v_sh, o_sb, o_sh, m_sb, m_sh, m_ss, l_sb, l_sh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                         NUM_STAGES: tl.constexpr):
+                         NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -107,7 +110,9 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
 
 @triton.jit
 def _merge_splits_kernel(mid_o, mid_lse, out, m_sb, m_sh, m_ss, l_sb, l_sh, o_sb, o_sh,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS)
@@ -157,6 +162,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     group = hq // hk
     block_d = triton.next_power_of_2(d)
     launch = launch or default_launch(k_buffer.dtype)
+    pdl = pdl_enabled(q.device)
     if num_splits > 1:
         mid_o = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
@@ -168,11 +174,12 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if num_splits > 1 else 0,
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=launch.block_n, SPLITS=num_splits, NUM_STAGES=launch.num_stages, num_warps=launch.num_warps)
+        BLOCK_N=launch.block_n, SPLITS=num_splits, NUM_STAGES=launch.num_stages, USE_PDL=pdl,
+        num_warps=launch.num_warps, launch_pdl=pdl)
     if num_splits > 1:
         _merge_splits_kernel[(b, hq)](
             mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
             mid_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=block_d, SPLITS=num_splits,
-            num_warps=4)
+            USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.layers.triton_pdl import pdl_enabled, pdl_prologue
+
 # Elements (heads * head_dim) one program handles; keeps the fp32 tile at ~16 values per thread.
 _TILE_ELEMS = 2048
 _NUM_WARPS = 4
@@ -63,9 +65,10 @@ def _rope_store_kv_kernel(q, k, v, positions, cos_cache, sin_cache, k_buf, v_buf
                           q_st, q_sh, k_st, k_sh, v_st, v_sh, cos_st, sin_st, kb_ss, kb_sh, vb_ss, vb_sh,
                           qo_st, qo_sh, n_q_heads, n_kv_heads,
                           HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                          BLOCK_HALF: tl.constexpr):
+                          BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (T, cdiv(Hq, BLOCK_HQ) + cdiv(Hk, BLOCK_HK)): the first blocks of axis 1 rotate q heads,
     the rest rotate k heads into the pool and copy the matching v heads."""
+    pdl_prologue(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     n_q_blocks = tl.cdiv(n_q_heads, BLOCK_HQ)
@@ -135,5 +138,5 @@ def rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], cos_cache.stride(0), sin_cache.stride(0),
         *k_buffer.stride()[:2], *v_buffer.stride()[:2], *q_out.stride()[:2], n_q, n_kv,
         HALF=d // 2, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=triton.next_power_of_2(d // 2),
-        num_warps=_NUM_WARPS)
+        USE_PDL=pdl_enabled(q.device), num_warps=_NUM_WARPS, launch_pdl=pdl_enabled(q.device))
     return q_out
