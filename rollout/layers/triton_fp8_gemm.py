@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.layers.triton_pdl import pdl_enabled, pdl_prologue
+
 
 @dataclass(frozen=True)
 class GemmLaunch:
@@ -29,7 +31,8 @@ class GemmLaunch:
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, M, N, K, stride_am, stride_wn, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     NUM_STAGES: tl.constexpr):
+                     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -80,5 +83,6 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     grid = (triton.cdiv(n, launch.block_n), triton.cdiv(m, launch.block_m))
     _fp8_gemm_kernel[grid](a, w, out, a_scale, w_scale, m, n, k, a.stride(0), w.stride(0), out.stride(0),
                            BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-                           NUM_STAGES=launch.num_stages, num_warps=launch.num_warps)
+                           NUM_STAGES=launch.num_stages, USE_PDL=pdl_enabled(a.device), num_warps=launch.num_warps,
+                           launch_pdl=pdl_enabled(a.device))
     return out

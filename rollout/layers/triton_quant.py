@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.layers.triton_pdl import pdl_enabled, pdl_prologue
+
 from rollout.layers.quantization import _MIN_SCALE, FP8_MAX, INV_FP8_MAX
 
 _BLOCK = 1024  # tile of the two-pass loop for rows longer than _ONE_PASS_MAX
@@ -32,7 +34,8 @@ def quantize_row(y, q_row, scale_ptr, row, cols, mask, fp8_max, inv_fp8_max, min
 
 @triton.jit
 def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, x_stride, q_stride, fp8_max, inv_fp8_max, min_scale,
-                            BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+                            BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * x_stride
     q_row = q_ptr + row.to(tl.int64) * q_stride
@@ -71,5 +74,6 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = triton.next_power_of_2(k) if one_pass else _BLOCK
         warps = 4 if not one_pass or block <= 4096 else 8
         _per_token_quant_kernel[(t,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, INV_FP8_MAX, _MIN_SCALE,
-                                      BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
+                                      BLOCK=block, ONE_PASS=one_pass, USE_PDL=pdl_enabled(x.device),
+                                      num_warps=warps, launch_pdl=pdl_enabled(x.device))
     return q, scale
