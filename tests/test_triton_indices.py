@@ -1,4 +1,5 @@
-"""rollout.attention.triton_indices against the torch reference ``kv_indices_for``.
+"""rollout.attention.triton_indices against torch references: ``kv_indices_for`` for ``write_kv_indices``,
+and ``prepare_reference`` (below, from ``prepare_decode``'s contract) for ``prepare_decode``.
 
 Without a CUDA device the kernel runs under Triton's CPU interpreter (see ``triton_interpreter``).
 """
@@ -11,7 +12,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from rollout.attention.flashinfer_backend import kv_indices_for  # noqa: E402
-from rollout.attention.triton_indices import CHUNK, chunk_programs, write_kv_indices  # noqa: E402
+from rollout.attention.triton_indices import (  # noqa: E402
+    CHUNK, DecodeBuffers, chunk_programs, prepare_decode, write_kv_indices)
+from rollout.model_executor.forward_batch import ForwardMode  # noqa: E402
+from rollout.model_executor.model_runner import StepInput  # noqa: E402
 
 SENTINEL = -7
 
@@ -112,3 +116,133 @@ def test_rejects_a_buffer_too_small():
         write_kv_indices(table, torch.tensor([0, 1], device=DEVICE), torch.tensor([8, 8], dtype=torch.int32,
                          device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE),
                          torch.zeros(15, dtype=torch.int32, device=DEVICE), 16)
+
+
+# ---- prepare_decode ------------------------------------------------------------------------------
+
+NEW_SLOT_BASE = 1 << 20  # out slots of the tests: disjoint from every random table entry
+
+
+def decode_step(rows: list[int], seq_lens: list[int]) -> StepInput:
+    """A decode step of requests in ``rows`` whose new token sits at position seq_len - 1, with fresh slots."""
+    slots = torch.tensor([NEW_SLOT_BASE + 3 * k for k in range(len(rows))], dtype=torch.int64)
+    return StepInput(ForwardMode.DECODE, rows, None, [n - 1 for n in seq_lens], slots, seq_lens, [1] * len(rows))
+
+
+def sentinel_buffers(size: int) -> DecodeBuffers:
+    def full(dtype: torch.dtype) -> torch.Tensor:
+        return torch.full((size,), SENTINEL, dtype=dtype, device=DEVICE)
+
+    return DecodeBuffers(full(torch.int64), full(torch.int64), full(torch.int64), full(torch.int64), full(torch.int32))
+
+
+def prepare_reference(table: torch.Tensor, last_token_ids: torch.Tensor, step: StepInput, padded: int):
+    """``prepare_decode``'s contract in torch (host tensors): the written table, the five buffers' first
+    ``padded`` entries (as a tuple, ``DecodeBuffers`` order), indptr and indices."""
+    table = table.cpu().clone()
+    rows = torch.tensor(step.rows, dtype=torch.int64)
+    positions = torch.tensor(step.positions, dtype=torch.int64)
+    table[rows, positions] = step.out_slots.to(torch.int32)
+    pad = padded - len(step.rows)
+    zeros = torch.zeros(pad, dtype=torch.int64)
+    all_rows = torch.cat([rows, zeros])
+    lens = torch.tensor(step.seq_lens + [1] * pad, dtype=torch.int32)
+    buffers = (torch.cat([last_token_ids.cpu()[rows], zeros]), torch.cat([positions, zeros]),
+               torch.cat([step.out_slots, zeros]), all_rows, lens)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), lens.to(torch.int64).cumsum(0)]).to(torch.int32)
+    indices = kv_indices_for(table, all_rows, lens, int(lens.sum()))
+    return table, buffers, indptr, indices
+
+
+def check_prepare(table: torch.Tensor, step: StepInput, padded: int, spare: int = 3) -> None:
+    """Kernel == reference on ``table`` (written in place), with ``spare`` sentinel entries past every
+    output's end left untouched; the new slots land in the table and in the indices."""
+    last = torch.arange(1000, 1000 + table.shape[0], dtype=torch.int64, device=DEVICE)
+    ref_table, ref_bufs, ref_indptr, ref_indices = prepare_reference(table, last, step, padded)
+    total = sum(step.seq_lens) + padded - len(step.rows)
+    bufs = sentinel_buffers(padded + spare)
+    indptr = torch.full((padded + 1 + spare,), SENTINEL, dtype=torch.int32, device=DEVICE)
+    indices = torch.full((total + spare,), SENTINEL, dtype=torch.int32, device=DEVICE)
+    packed = step.decode_pack().to(DEVICE)
+    view = prepare_decode(packed, last, table, bufs, indptr, indices, padded, total)
+    assert view.shape == (total,) and view.data_ptr() == indices.data_ptr()
+    assert torch.equal(table.cpu(), ref_table)
+    for got, want in zip(bufs.tensors(), ref_bufs):
+        assert got.dtype == want.dtype
+        assert torch.equal(got[:padded].cpu(), want)
+        assert (got[padded:].cpu() == SENTINEL).all()
+    assert torch.equal(indptr[:padded + 1].cpu(), ref_indptr)
+    assert (indptr[padded + 1:].cpu() == SENTINEL).all()
+    assert torch.equal(indices[:total].cpu(), ref_indices)
+    assert (indices[total:].cpu() == SENTINEL).all()
+    for i, (pos, slot) in enumerate(zip(step.positions, step.out_slots.tolist())):
+        assert table[step.rows[i], pos].item() == slot
+        assert indices[ref_indptr[i] + pos].item() == slot
+
+
+def test_decode_pack_layout():
+    step = decode_step([4, 1], [7, 3])
+    packed = step.decode_pack()
+    assert packed.dtype == torch.int64 and packed.is_contiguous()
+    assert packed.tolist() == [[4, 1], [6, 2], step.out_slots.tolist(), [7, 3]]
+
+
+@pytest.mark.parametrize("rows,seq_lens,padded", [
+    ([3], [2], 1),
+    ([3], [5], 2),
+    ([2, 7, 0], [4, 9, 2], 8),
+    ([5, 1, 6, 2], [30, 2, 17, 8], 4),
+    ([1, 2, 3, 4, 5], [40] * 5, 8),
+    ([9, 8, 7], [40] * 3, 3),
+], ids=["batch-1", "batch-1-padded", "padded", "unpadded", "repeated-lengths-padded", "repeated-lengths"])
+def test_prepare_matches_reference(rows, seq_lens, padded):
+    check_prepare(random_table(10, 64, seed=11), decode_step(rows, seq_lens), padded)
+
+
+def test_prepare_lengths_across_chunk_boundaries():
+    """New tokens at the last position of a chunk, the first of the next, and inside later chunks."""
+    seq_lens = [CHUNK, CHUNK + 1, 2 * CHUNK + 3, CHUNK - 1, 3 * CHUNK]
+    check_prepare(random_table(12, 3 * CHUNK + 8, seed=12), decode_step([11, 0, 5, 7, 2], seq_lens), 8)
+
+
+def test_prepare_long_request_loops_past_its_chunk_programs():
+    seq_lens = [2, 6 * CHUNK + 9, 3]
+    padded = 4
+    programs = chunk_programs(padded, sum(seq_lens) + 1)
+    assert 2 <= programs < -(-max(seq_lens) // CHUNK)
+    check_prepare(random_table(6, 7 * CHUNK, seed=13), decode_step([4, 1, 5], seq_lens), padded)
+
+
+def test_prepare_many_requests_and_strided_table():
+    gen = torch.Generator().manual_seed(14)
+    b, padded = 37, 48
+    rows = torch.randperm(60, generator=gen)[:b].tolist()
+    seq_lens = torch.randint(2, CHUNK + 300, (b,), generator=gen).tolist()
+    table = random_table(60, 2 * CHUNK, seed=15, wider_by=5)
+    assert not table.is_contiguous()
+    check_prepare(table, decode_step(rows, seq_lens), padded)
+
+
+def test_prepare_only_touches_the_new_table_entries():
+    table = random_table(8, 32, seed=16)
+    before = table.cpu().clone()
+    step = decode_step([6, 3], [10, 20])
+    check_prepare(table, step, 4)
+    changed = (table.cpu() != before).nonzero().tolist()
+    assert changed == [[3, 19], [6, 9]]
+
+
+def test_prepare_rejects_short_buffers():
+    table = random_table(4, 16, seed=17)
+    step = decode_step([1, 2], [3, 4])
+    packed, last = step.decode_pack().to(DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    indptr = torch.zeros(5, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError):  # padded below the batch
+        prepare_decode(packed, last, table, sentinel_buffers(4), indptr, torch.zeros(16, dtype=torch.int32,
+                       device=DEVICE), 1, 7)
+    with pytest.raises(ValueError):  # static buffers shorter than the padded size
+        prepare_decode(packed, last, table, sentinel_buffers(3), indptr, torch.zeros(16, dtype=torch.int32,
+                       device=DEVICE), 4, 9)
+    with pytest.raises(ValueError):  # indices buffer below the total
+        prepare_decode(packed, last, table, sentinel_buffers(4), indptr, torch.zeros(8, dtype=torch.int32,
+                       device=DEVICE), 4, 9)

@@ -16,7 +16,7 @@ import torch
 
 from rollout.attention.base import AttentionBackend
 from rollout.attention.triton_decode import decode_attention, num_kv_splits
-from rollout.attention.triton_indices import write_kv_indices
+from rollout.attention.triton_indices import DecodeBuffers, prepare_decode, write_kv_indices
 from rollout.config import DECODE_ATTENTION_BACKENDS
 from rollout.model_executor.forward_batch import ForwardMode
 
@@ -147,8 +147,31 @@ class FlashInferBackend(AttentionBackend):
         indptr = graph.indptr if graph is not None else torch.empty(b + 1, dtype=torch.int32, device=self.device)
         indices = write_kv_indices(batch.req_to_token, batch.req_pool_indices, batch.seq_lens, indptr,
                                    self.kv_indices_buf, sum(batch.seq_lens_cpu))
-        return TritonDecodeMetadata(indptr, indices, num_kv_splits(b, self.num_kv_heads, self.num_sms,
-                                                                 self.kv_dtype.itemsize))
+        return self._triton_metadata(indptr, indices, b)
+
+    def prepare_graph_decode(self, batch: "ForwardBatch", graph: DecodeGraphState, packed: torch.Tensor,
+                             last_token_ids: torch.Tensor) -> None:
+        """Everything a Triton-decode CUDA-graph replay needs, in one kernel launch (``prepare_decode``) and
+        no host wait; sets ``batch.attn_metadata``.
+
+        ``batch``: the graph's decode batch at its padded size P = ``len(batch.seq_lens_cpu)`` (host seq
+        lens: the real ones, then 1 per padding row), its tensors the graph's static buffers; ``packed``:
+        int64 [4, B] on the device, B <= P (``StepInput.decode_pack``). Writes the B out slots into
+        ``batch.req_to_token``, ``input_ids`` (gathered from ``last_token_ids``), ``positions``,
+        ``out_cache_loc``, ``req_pool_indices`` and ``seq_lens`` of rows [0, P) (padding: zeros, seq len
+        1), ``graph.indptr`` and ``kv_indices_buf``."""
+        if self.decode_backend != "triton":
+            raise ValueError("prepare_graph_decode is for the Triton decode backend")
+        bs = len(batch.seq_lens_cpu)
+        out = DecodeBuffers(batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices,
+                            batch.seq_lens)
+        indices = prepare_decode(packed, last_token_ids, batch.req_to_token, out, graph.indptr, self.kv_indices_buf,
+                                 bs, sum(batch.seq_lens_cpu))
+        batch.attn_metadata = self._triton_metadata(graph.indptr, indices, bs)
+
+    def _triton_metadata(self, indptr: torch.Tensor, indices: torch.Tensor, batch_size: int) -> TritonDecodeMetadata:
+        return TritonDecodeMetadata(indptr, indices, num_kv_splits(batch_size, self.num_kv_heads, self.num_sms,
+                                                                   self.kv_dtype.itemsize))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: "Attention",
                 batch: "ForwardBatch") -> torch.Tensor:

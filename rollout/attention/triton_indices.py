@@ -11,10 +11,16 @@ c + C, c + 2C, ... of CHUNK tokens of row ``rows[i]``; its loop bound is the loa
 length is covered whatever C is. Program (i, 0) writes ``indptr[i + 1]`` (and (0, 0) ``indptr[0]``).
 Nothing is read back to the host; the outputs are written in place (CUDA-graph buffers keep their
 addresses).
+
+``prepare_decode`` does all of a CUDA-graph decode step's device-side preparation in one launch (same grid
+scheme): from one packed [4, B] copy of the step's rows, positions, out slots and seq lens it writes the
+new slots into the request table, the graph's static inputs (padded to the graph's batch size) and the
+index lists above.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
@@ -79,4 +85,100 @@ def write_kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: t
     _kv_indices_kernel[grid](req_to_token, rows, seq_lens, indptr, indices, b, indices.numel(),
                              req_to_token.stride(0), req_to_token.stride(1),
                              BLOCK_B=triton.next_power_of_2(b), CHUNK=CHUNK, num_warps=4)
+    return indices[:total]
+
+
+@dataclass(frozen=True)
+class DecodeBuffers:
+    """A decode forward's per-request device inputs, written in place by ``prepare_decode``: 1-D, stride 1,
+    at least the padded batch size long. ``seq_lens`` int32, the others int64."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    rows: torch.Tensor
+    seq_lens: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The five buffers in the kernel's argument order."""
+        return self.input_ids, self.positions, self.out_cache_loc, self.rows, self.seq_lens
+
+
+@triton.jit
+def _prepare_decode_kernel(packed, batch, last_token_ids, req_to_token, t_sr, t_sc, input_ids, positions,
+                           out_cache_loc, rows_out, seq_lens_out, indptr, indices, capacity,
+                           BLOCK_B: tl.constexpr, CHUNK: tl.constexpr):
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    b = tl.arange(0, BLOCK_B)
+    lens = tl.load(packed + 3 * batch + b, mask=b < batch, other=1).to(tl.int32)  # padding rows: 1
+    start = tl.sum(tl.where(b < i, lens, 0), axis=0)
+    real = i < batch
+    row = tl.load(packed + i, mask=real, other=0)
+    pos = tl.load(packed + batch + i, mask=real, other=0)
+    slot = tl.load(packed + 2 * batch + i, mask=real, other=0)
+    n = tl.load(packed + 3 * batch + i, mask=real, other=1).to(tl.int32)
+    src = req_to_token + row * t_sr
+    if c == 0:
+        tl.store(req_to_token + row * t_sr + pos * t_sc, slot.to(tl.int32), mask=real)
+        tl.store(input_ids + i, tl.load(last_token_ids + row, mask=real, other=0))
+        tl.store(positions + i, pos)
+        tl.store(out_cache_loc + i, slot)
+        tl.store(rows_out + i, row)
+        tl.store(seq_lens_out + i, n)
+        tl.store(indptr + i + 1, start + n)
+        if i == 0:
+            tl.store(indptr, start)  # zero, in indptr's own type
+    dst = indices + start
+    t = tl.arange(0, CHUNK)
+    for t0 in tl.range(c * CHUNK, n, tl.num_programs(1) * CHUNK):
+        p = t0 + t
+        ok = (p < n) & (start + p < capacity)
+        from_table = ok & ((p != pos) | (i >= batch))  # not the slot this launch writes: the input has it
+        slots = tl.load(src + p.to(tl.int64) * t_sc, mask=from_table)
+        tl.store(dst + p, tl.where(from_table, slots.to(tl.int32), slot.to(tl.int32)), mask=ok)
+
+
+def prepare_decode(packed: torch.Tensor, last_token_ids: torch.Tensor, req_to_token: torch.Tensor,
+                   out: DecodeBuffers, indptr: torch.Tensor, indices: torch.Tensor, padded: int,
+                   total: int) -> torch.Tensor:
+    """One launch, no host sync, every output written in place; returns ``indices[:total]``.
+
+    ``packed``: contiguous int64 [4, B] on the device, its rows the B requests' ``rows`` (distinct),
+    ``positions``, ``out_slots`` and ``seq_lens`` (``StepInput.decode_pack`` builds it on the host);
+    ``padded`` >= B the batch size the step runs at (rows B..padded-1 are padding). Writes:
+
+    - ``req_to_token[rows[i], positions[i]] = out_slots[i]`` for i < B;
+    - ``out`` for i < B: ``input_ids[i] = last_token_ids[rows[i]]``, ``positions[i]``, ``out_cache_loc[i]
+      = out_slots[i]``, ``rows[i]``, ``seq_lens[i]``; for B <= i < padded: 0, 0, 0, 0 and seq len 1
+      (padding writes its KV to the scratch slot 0 and reads one token); entries from ``padded`` on
+      untouched;
+    - ``indptr[:padded + 1]``: cumulative padded seq lens from 0 (later entries untouched);
+    - ``indices[:total]``: the concatenation over i < padded of ``req_to_token[rows[i], :seq_lens[i]]``,
+      where for i < B the entry at ``positions[i]`` is ``out_slots[i]`` (from ``packed``) and the rest
+      is the table as it was before this launch; a padding row's one entry is ``req_to_token[0, 0]``
+      (which a decode step never writes: position 0 is a prompt token). Later entries untouched; writes
+      past ``indices``'s end are dropped.
+
+    ``req_to_token``: int32 [num_rows, max_ctx], any strides; ``last_token_ids``: [num_rows] integer;
+    ``indptr`` and ``indices``: int32, stride 1. ``total`` = the host's sum of the padded seq lens
+    (sum of the real ones + padded - B): it sizes the grid and the returned view only."""
+    b = packed.shape[1] if packed.dim() == 2 else -1
+    if packed.shape != (4, b) or packed.dtype != torch.int64 or not packed.is_contiguous():
+        raise ValueError(f"packed must be contiguous int64 [4, B], got {packed.dtype} {tuple(packed.shape)}")
+    if padded < b or indptr.numel() < padded + 1 or any(t.numel() < padded for t in out.tensors()):
+        raise ValueError(f"{b} rows padded to {padded}: buffers too short")
+    if indptr.dtype != torch.int32 or indices.dtype != torch.int32 or req_to_token.dtype != torch.int32:
+        raise TypeError("req_to_token, indptr and indices must be int32")
+    if any(t.stride(0) != 1 for t in (indptr, indices, last_token_ids, *out.tensors())):
+        raise ValueError("indptr, indices, last_token_ids and the decode buffers need stride 1")
+    if total > indices.numel():
+        raise ValueError(f"{total} indices do not fit a buffer of {indices.numel()}")
+    if padded == 0:
+        indptr[:1].zero_()
+        return indices[:0]
+    grid = (padded, chunk_programs(padded, total))
+    _prepare_decode_kernel[grid](packed, b, last_token_ids, req_to_token, req_to_token.stride(0),
+                                 req_to_token.stride(1), *out.tensors(), indptr, indices, indices.numel(),
+                                 BLOCK_B=triton.next_power_of_2(padded), CHUNK=CHUNK, num_warps=4)
     return indices[:total]

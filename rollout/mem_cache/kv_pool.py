@@ -97,15 +97,25 @@ class ReqToTokenPool:
             if self.table is not self.cpu_table:
                 self.table[row, start:start + n] = to_device(slots.to(torch.int32), self.table.device)
 
-    def write_many(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
-        """table[rows[i], positions[i]] = slots[i] for every i, in one indexed write per table."""
+    def write_many(self, rows: list[int], positions: list[int], slots: torch.Tensor, device: bool = True) -> None:
+        """table[rows[i], positions[i]] = slots[i] for every i, in one indexed write per table.
+
+        ``device=False`` writes ``cpu_table`` only: the caller promises the same write reaches the device
+        ``table`` before anything reads it (decode: ``ModelRunner.forward`` does it with the step's own
+        inputs, via ``write_device`` or the fused decode-preparation kernel). On the CPU both are one
+        table, so the write is always complete."""
         r = torch.tensor(rows, dtype=torch.int64)
         p = torch.tensor(positions, dtype=torch.int64)
         self.cpu_table[r, p] = slots.to(torch.int32)
+        if device and self.table is not self.cpu_table:
+            packed = to_device(torch.stack([r, p, slots.to(torch.int64)]), self.table.device)  # one copy, no host wait
+            self.write_device(packed[0], packed[1], packed[2])
+
+    def write_device(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Device ``table[rows[i], positions[i]] = slots[i]`` (int64 tensors on the table's device), queued
+        without a host wait; nothing to do when the table is ``cpu_table`` (the host write did it)."""
         if self.table is not self.cpu_table:
-            dev = self.table.device
-            packed = to_device(torch.stack([r, p, slots.to(torch.int64)]), dev)  # one copy, no host wait
-            self.table[packed[0], packed[1]] = packed[2].to(torch.int32)
+            self.table[rows, positions] = slots.to(torch.int32)
 
     def slots(self, row: int, end: int) -> torch.Tensor:
         """The slots of positions [0, end) of ``row`` (CPU int64)."""

@@ -1,8 +1,9 @@
 """CUDA graphs for decode: one graph per padded batch size, captured after the weights load.
 
-Inputs live in static buffers; a replay copies the real batch in (padding rows write their KV to the
-scratch slot 0 and read one cached token), re-plans the attention wrapper bound to that size, and
-replays. Weights are never rebound (updates copy in place), so graphs stay valid across updates.
+Inputs live in static buffers; a replay fills them from the real batch (padding rows write their KV
+to the scratch slot 0 and read one cached token) and re-plans attention for that size (with Triton
+decode both in one kernel launch), and replays. Weights are never rebound (updates copy in place), so
+graphs stay valid across updates.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rollout.device_copy import list_to_device, to_device
 from rollout.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -79,25 +79,36 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.runner.device)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
 
-    def replay(self, step: "StepInput", input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Logits [B, vocab] for a decode step of B <= max batch size (``input_ids`` and ``rows`` [B] are
-        already on the device; the host's lists travel through pinned memory: nothing waits for the GPU)."""
+    def replay(self, step: "StepInput", packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, vocab] for a decode step of B <= max batch size; ``packed`` is ``step.decode_pack()``
+        already on the device. Also writes the step's out slots into the device request table. With
+        Triton decode everything before the replay is one kernel (``FlashInferBackend.prepare_graph_decode``);
+        with FlashInfer decode, copies into the static buffers and a plan. Nothing waits for the GPU."""
         b = len(step.rows)
         bs = self._padded(b)
-        pad = bs - b
-        dev = self.runner.device
-        self.input_ids[:b].copy_(input_ids)
+        batch = self._batch(bs, list(step.seq_lens) + [1] * (bs - b))
+        if self.backend.decode_backend == "triton":
+            self.backend.prepare_graph_decode(batch, self.states[bs], packed, last_token_ids)
+        else:
+            self._copy_inputs(b, bs, packed, last_token_ids)
+            self.backend.init_forward_metadata(batch, graph=self.states[bs])
+        self.graphs[bs].replay()
+        return self.outputs[bs][:b]
+
+    def _copy_inputs(self, b: int, bs: int, packed: torch.Tensor, last_token_ids: torch.Tensor) -> None:
+        """The device table write and the static buffers of rows [0, bs) by torch ops: the real batch's
+        B from ``packed``, padding rows (B..bs-1) writing their KV to the scratch slot 0 and reading one
+        cached token."""
+        rows, positions, out_slots, seq_lens = packed.unbind(0)
+        self.runner.req_to_token.write_device(rows, positions, out_slots)
+        self.input_ids[:b].copy_(last_token_ids[rows])
         self.rows[:b].copy_(rows)
-        self.positions[:b].copy_(list_to_device(step.positions, torch.int64, dev))
-        self.out_cache_loc[:b].copy_(to_device(step.out_slots, dev))
-        self.seq_lens[:b].copy_(list_to_device(step.seq_lens, torch.int32, dev))
-        if pad:
+        self.positions[:b].copy_(positions)
+        self.out_cache_loc[:b].copy_(out_slots)
+        self.seq_lens[:b].copy_(seq_lens)
+        if bs > b:
             self.input_ids[b:bs].zero_()
             self.positions[b:bs].zero_()
             self.out_cache_loc[b:bs].zero_()
             self.rows[b:bs].zero_()
             self.seq_lens[b:bs].fill_(1)
-        batch = self._batch(bs, list(step.seq_lens) + [1] * pad)
-        self.backend.init_forward_metadata(batch, graph=self.states[bs])
-        self.graphs[bs].replay()
-        return self.outputs[bs][:b]

@@ -25,7 +25,8 @@ class StepInput:
     """The tokens one forward computes, flattened over requests (host lists, built by the scheduler).
 
     ``input_ids`` is None in decode: each request's input is its newest token, which may not have
-    reached the host yet (overlap scheduling), so the runner reads it from ``ModelRunner.last_token_ids``.
+    reached the host yet (overlap scheduling), so the runner reads it from ``ModelRunner.last_token_ids``;
+    and its ``out_slots`` need only be in the host request table: the runner writes them to the device one.
     """
 
     mode: ForwardMode
@@ -35,6 +36,17 @@ class StepInput:
     out_slots: torch.Tensor
     seq_lens: list[int]
     extend_lens: list[int]
+
+    def decode_pack(self, pin: bool = False) -> torch.Tensor:
+        """Host int64 [4, B], contiguous: rows ``rows``, ``positions``, ``out_slots``, ``seq_lens`` (the
+        layout ``rollout.attention.triton_indices.prepare_decode`` reads); pinned when ``pin``, so one
+        non-blocking copy moves it to a GPU."""
+        out = torch.empty((4, len(self.rows)), dtype=torch.int64, pin_memory=pin)
+        out[0] = torch.tensor(self.rows, dtype=torch.int64)
+        out[1] = torch.tensor(self.positions, dtype=torch.int64)
+        out[2] = self.out_slots
+        out[3] = torch.tensor(self.seq_lens, dtype=torch.int64)
+        return out
 
 
 @dataclass
@@ -146,23 +158,38 @@ class ModelRunner:
 
     def forward(self, step: StepInput) -> torch.Tensor:
         """Logits [num_requests, vocab] (model dtype; the sampler computes in float32) of each request's last
-        token in ``step``."""
-        dev = self.device
-        rows = list_to_device(step.rows, torch.int64, dev)
+        token in ``step``. A decode step also writes its ``out_slots`` into the device request table at
+        (``rows``, ``positions``): the scheduler writes only the host table (``write_many(device=False)``)."""
         if step.mode == ForwardMode.DECODE:
-            input_ids = self.last_token_ids[rows]
-        else:
-            input_ids = list_to_device(step.input_ids, torch.int64, dev)
-        if step.mode == ForwardMode.DECODE and self.graph_runner is not None \
-                and self.graph_runner.can_run(len(step.rows)):
-            return self.graph_runner.replay(step, input_ids, rows)
+            return self._forward_decode(step)
+        dev = self.device
+        return self._forward_eager(step, list_to_device(step.input_ids, torch.int64, dev),
+                                   list_to_device(step.rows, torch.int64, dev),
+                                   list_to_device(step.positions, torch.int64, dev), to_device(step.out_slots, dev),
+                                   list_to_device(step.seq_lens, torch.int32, dev))
+
+    def _forward_decode(self, step: StepInput) -> torch.Tensor:
+        """Decode from one host-to-device copy (``StepInput.decode_pack``). A CUDA graph's runner prepares
+        its inputs from it (one kernel with Triton decode); otherwise the table write, the input tokens'
+        gather from ``last_token_ids`` and an eager forward."""
+        packed = to_device(step.decode_pack(pin=self.device.type == "cuda"), self.device)
+        if self.graph_runner is not None and self.graph_runner.can_run(len(step.rows)):
+            return self.graph_runner.replay(step, packed, self.last_token_ids)
+        rows, positions, out_slots, seq_lens = packed.unbind(0)
+        self.req_to_token.write_device(rows, positions, out_slots)
+        return self._forward_eager(step, self.last_token_ids[rows], rows, positions, out_slots,
+                                   seq_lens.to(torch.int32))
+
+    def _forward_eager(self, step: StepInput, input_ids: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                       out_slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """The model run without a graph on ``step``'s inputs, already on the device."""
         batch = ForwardBatch(
             mode=step.mode,
             input_ids=input_ids,
-            positions=list_to_device(step.positions, torch.int64, dev),
-            out_cache_loc=to_device(step.out_slots, dev),
+            positions=positions,
+            out_cache_loc=out_slots,
             req_pool_indices=rows,
-            seq_lens=list_to_device(step.seq_lens, torch.int32, dev),
+            seq_lens=seq_lens,
             seq_lens_cpu=step.seq_lens,
             extend_lens=step.extend_lens,
             kv_pool=self.kv_pool,

@@ -361,7 +361,7 @@ class Scheduler(WeightUpdateMixin):
             return None
         slots = self.allocator.alloc(len(reqs))
         rows, positions = [r.pool_row for r in reqs], [r.kv_len for r in reqs]
-        self.req_pool.write_many(rows, positions, slots)
+        self.req_pool.write_many(rows, positions, slots, device=False)  # the runner writes the device table
         inputs = StepInput(ForwardMode.DECODE, rows, None, positions, slots, [p + 1 for p in positions],
                            [1] * len(reqs))
         return self.launch(reqs, inputs, reqs)
