@@ -51,7 +51,7 @@ def decode_input(runner, batch: int, context: int, step: int, per_row: int):
     rows = list(range(batch))
     pos = [context + step] * batch
     slots = torch.tensor([1 + r * per_row + context + step for r in rows], dtype=torch.int64)
-    runner.req_to_token.write_many(rows, pos, slots)
+    runner.req_to_token.write_many(rows, pos, slots, device=False)  # as the scheduler: the runner writes the device
     return StepInput(ForwardMode.DECODE, rows, None, pos, slots, [p + 1 for p in pos], [1] * batch)
 
 

@@ -49,16 +49,19 @@ def slot_layout(kind: str, batch: int, context: int, device: torch.device) -> to
     return (torch.cat([first, rest], 1).reshape(-1) + 1).to(torch.int32)
 
 
-def sweep(q, k, v, indptr, indices, ref, settings, label: str, gb: float) -> tuple[float, tuple]:
-    """Time the Triton kernel at each (block_n, warps, stages, splits); the best time and setting."""
+def sweep(q, k, v, indptr, indices, ref, settings, label: str, gb: float,
+          counters: torch.Tensor | None = None) -> tuple[float, tuple]:
+    """Time the Triton kernel at each (block_n, warps, stages, splits); the best time and setting.
+    ``counters``: split merges inside the first kernel (``decode_attention``'s fused merge)."""
     best = (float("inf"), settings[0])
     d = q.shape[-1]
     for block_n, warps, stages, splits in settings:
         launch = DecodeLaunch(block_n, warps, stages)
         try:
-            out = decode_attention(q, k, v, indptr, indices, d ** -0.5, splits, launch=launch)
+            out = decode_attention(q, k, v, indptr, indices, d ** -0.5, splits, launch=launch, counters=counters)
             err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            ms = time_ms(lambda: decode_attention(q, k, v, indptr, indices, d ** -0.5, splits, launch=launch))
+            ms = time_ms(lambda: decode_attention(q, k, v, indptr, indices, d ** -0.5, splits, launch=launch,
+                                                  counters=counters))
         except Exception as e:  # noqa: BLE001  (a setting the compiler refuses, e.g. out of shared memory)
             print(f"{label} triton {launch}: failed {type(e).__name__}: {e}"[:300], flush=True)
             continue
@@ -69,7 +72,8 @@ def sweep(q, k, v, indptr, indices, ref, settings, label: str, gb: float) -> tup
 
 
 def run_case(batch: int, context: int, hq: int, hk: int, d: int, kv_dtype: torch.dtype, grid, workspace,
-             layouts: tuple[str, ...] = ("random", "engine"), q_dtype: torch.dtype = torch.bfloat16) -> None:
+             layouts: tuple[str, ...] = ("random", "engine"), q_dtype: torch.dtype = torch.bfloat16,
+             fused_merge: bool = False) -> None:
     """FlashInfer, then the Triton settings, on each slot layout: the sweep on the first, then its best
     setting at other split counts on every layout."""
     import flashinfer
@@ -85,6 +89,7 @@ def run_case(batch: int, context: int, hq: int, hk: int, d: int, kv_dtype: torch
     k = torch.randn(slots + 1, hk, d, device=dev).to(kv_dtype)
     v = torch.randn(slots + 1, hk, d, device=dev).to(kv_dtype)
     gb = 2 * slots * hk * d * k.element_size() / 1e9
+    counters = torch.zeros(batch * hk, dtype=torch.int32, device=dev) if fused_merge else None
     best = None
     for layout in layouts:
         label = f"{str(kv_dtype).removeprefix('torch.'):13s} q {str(q_dtype).removeprefix('torch.'):8s} d{d} {batch}x{context} {layout:6s}"
@@ -95,11 +100,11 @@ def run_case(batch: int, context: int, hq: int, hk: int, d: int, kv_dtype: torch
         ms = time_ms(lambda: w.run(q, (k.unsqueeze(1), v.unsqueeze(1))))
         print(f"{label} flashinfer                   {ms:.3f} ms  {gb / ms:.2f} TB/s", flush=True)
         if best is None:
-            best = sweep(q, k, v, indptr, indices, ref, settings, label, gb)[1]
+            best = sweep(q, k, v, indptr, indices, ref, settings, label, gb, counters)[1]
             print(f"{label} best {best}", flush=True)
         n, wp, st, sp = best
         sweep(q, k, v, indptr, indices, ref,
-              [(n, wp, st, s) for s in (1, 2, 4, 8) if layout != layouts[0] or s != sp], label, gb)
+              [(n, wp, st, s) for s in (1, 2, 4, 8) if layout != layouts[0] or s != sp], label, gb, counters)
 
 
 def main() -> None:
@@ -110,6 +115,8 @@ def main() -> None:
     p.add_argument("--fp8-query", default="float16", choices=["float16", "bfloat16"],
                    help="query dtype of the fp8 case (the engine's is the model dtype)")
     p.add_argument("--layouts", default="random,engine", help="slot layouts; the sweep runs on the first")
+    p.add_argument("--fused-merge", action="store_true", help="merge the splits inside the first kernel")
+    p.add_argument("--batch", type=int, default=256, help="requests of the 8B-head cases")
     args = p.parse_args()
     cases = args.cases.split(",")
     layouts = tuple(args.layouts.split(","))
@@ -118,11 +125,12 @@ def main() -> None:
     if args.grid:
         grid = tuple([int(x) for x in part.split(",")] for part in args.grid.split(";"))
     if "fp8" in cases:
-        run_case(256, 1500, 32, 8, 128, torch.float8_e4m3fn, grid, workspace, layouts, getattr(torch, args.fp8_query))
+        run_case(args.batch, 1500, 32, 8, 128, torch.float8_e4m3fn, grid, workspace, layouts,
+                 getattr(torch, args.fp8_query), args.fused_merge)
     if "bf16" in cases:
-        run_case(256, 1500, 32, 8, 128, torch.bfloat16, grid, workspace, layouts)
+        run_case(args.batch, 1500, 32, 8, 128, torch.bfloat16, grid, workspace, layouts, fused_merge=args.fused_merge)
     if "bf16-d64" in cases:
-        run_case(256, 256, 32, 8, 64, torch.bfloat16, grid, workspace, layouts)
+        run_case(256, 256, 32, 8, 64, torch.bfloat16, grid, workspace, layouts, fused_merge=args.fused_merge)
 
 
 if __name__ == "__main__":

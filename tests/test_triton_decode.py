@@ -105,3 +105,28 @@ def test_rejects_bad_shapes_and_splits():
     q, k_buf, v_buf, indptr, indices = make_case([4], 8, 4, 64, torch.bfloat16, torch.bfloat16, seed=1)
     with pytest.raises(ValueError, match="power of two"):
         decode_attention(q, k_buf, v_buf, indptr, indices, 0.1, 3)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("splits", [2, 4, 16])
+def test_fused_merge_matches_the_merge_kernel_and_leaves_counters_zero(kv_dtype, splits):
+    seq_lens, hq, hk, d = [1, 5, 64, 65, 130], 8, 2, 64
+    q_dtype = torch.float16 if kv_dtype.itemsize == 1 else torch.bfloat16
+    q, k_buf, v_buf, indptr, indices = make_case(seq_lens, hq, hk, d, kv_dtype, q_dtype, seed=7)
+    scale = d ** -0.5
+    counters = torch.zeros(len(seq_lens) * hk + 3, dtype=torch.int32, device=q.device)
+    separate = decode_attention(q, k_buf, v_buf, indptr, indices, scale, splits)
+    for _ in range(2):  # the counts are back at 0, so a second launch (a graph replay) merges again
+        fused = decode_attention(q, k_buf, v_buf, indptr, indices, scale, splits, counters=counters)
+        assert counters.eq(0).all()
+        torch.testing.assert_close(fused.float(), separate.float(), atol=2e-3, rtol=2e-3)
+    want = reference(q, k_buf, v_buf, indptr, indices, scale, compute=q_dtype)
+    tol = 1e-2 if q_dtype == torch.bfloat16 else 3e-3
+    torch.testing.assert_close(fused.float().cpu(), want, atol=tol, rtol=tol)
+
+
+def test_fused_merge_rejects_short_or_wrong_counters():
+    q, k_buf, v_buf, indptr, indices = make_case([4, 9], 8, 4, 64, torch.bfloat16, torch.bfloat16, seed=1)
+    for bad in (torch.zeros(7, dtype=torch.int32), torch.zeros(8, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="counters"):
+            decode_attention(q, k_buf, v_buf, indptr, indices, 0.1, 2, counters=bad.to(q.device))

@@ -70,10 +70,10 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, scaling: float, dtype: torch.dtype,
                  device: torch.device, max_kv_indices: int, kv_dtype: torch.dtype | None = None,
-                 decode_backend: str = "auto") -> None:
+                 decode_backend: str = "auto", max_batch_size: int = 1024) -> None:
         """``dtype`` is q's and the output's; ``kv_dtype`` the KV pool's (default ``dtype``);
         ``decode_backend`` one of ``DECODE_ATTENTION_BACKENDS`` ("auto": triton), for decode steps only;
-        prefill is always FlashInfer.
+        prefill is always FlashInfer; ``max_batch_size`` bounds a decode batch (the running requests).
 
         Float8 pools (unit scale): FlashInfer widens K/V to the query's type inside the kernel; to float16
         that is one instruction, to bf16 it is not (H200, batch 256 x 1,500 tokens, one layer: 0.35 ms with
@@ -97,6 +97,10 @@ class FlashInferBackend(AttentionBackend):
         self.decode = (flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
                        if self.decode_backend == "flashinfer" else None)
         self.kv_indices_buf = torch.zeros(max_kv_indices, dtype=torch.int32, device=device)
+        # Triton decode: one count per (request, KV head), 0 between launches, so the splits merge inside the
+        # first kernel; sized for the largest batch the pool's index list allows
+        self.split_counters = (torch.zeros(max_batch_size * num_kv_heads, dtype=torch.int32, device=device)
+                               if self.decode_backend == "triton" else None)
         self._planned: torch.cuda.Event | None = None  # recorded after the last plan's host-to-device copies
 
     def graph_state(self, batch_size: int) -> DecodeGraphState:
@@ -183,7 +187,7 @@ class FlashInferBackend(AttentionBackend):
         if isinstance(meta, TritonDecodeMetadata):  # rounds q to its compute type and writes self.dtype itself
             out = torch.empty(q.shape, dtype=self.dtype, device=q.device)
             return decode_attention(q.contiguous(), k_buf, v_buf, meta.kv_indptr, meta.kv_indices, self.scaling,
-                                    meta.num_splits, out=out)
+                                    meta.num_splits, out=out, counters=self.split_counters)
         out = meta.run(q.to(self.q_dtype).contiguous(), (k_buf.unsqueeze(1), v_buf.unsqueeze(1)))
         return out if out.dtype == self.dtype else out.to(self.dtype)
 

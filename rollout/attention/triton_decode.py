@@ -8,6 +8,9 @@ scale) and meet the queries on tensor cores with float32 accumulation and an onl
     stage 1, grid (batch, kv_heads, splits): partial output and log-sum-exp (base 2) per split.
     stage 2, grid (batch, q_heads): merges the splits by their log-sum-exp (skipped when splits == 1).
 
+With a ``counters`` buffer there is no stage 2 launch: the last program of each (request, KV head) to finish
+its split (an atomic count per pair) merges the pair's splits and sets the count back to 0.
+
 Semantics: ``out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b`` where K_b, V_b are the rows
 ``k_buffer[kv_indices[kv_indptr[b]:kv_indptr[b+1]], h // group]`` widened to the compute type (float16
 for float8 pools or non-16-bit queries, else q's dtype; q is rounded to it too); p is rounded to that type
@@ -47,7 +50,7 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
                          q_sb, q_sh, k_ss, k_sh, v_ss, v_sh, o_sb, o_sh, m_sb, m_sh, m_ss, l_sb, l_sh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
+                         NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, counters, FUSED_MERGE: tl.constexpr):
     pdl_prologue(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -106,6 +109,38 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
         lse = m_i + tl.log2(l_safe)
         tl.store(mid_o + b * m_sb + heads[:, None] * m_sh + split * m_ss + d[None, :], o, mask=o_mask)
         tl.store(mid_lse + b * l_sb + heads * l_sh + split, lse, mask=row_ok)
+        if FUSED_MERGE:
+            _merge_if_last(mid_o, mid_lse, out, counters + b * tl.num_programs(1) + kv_head, b, heads, row_ok, d,
+                           d_ok, m_sb, m_sh, m_ss, l_sb, l_sh, o_sb, o_sh, BLOCK_H, BLOCK_D, SPLITS)
+
+
+@triton.jit
+def _merge_if_last(mid_o, mid_lse, out, counter, b, heads, row_ok, d, d_ok, m_sb, m_sh, m_ss, l_sb, l_sh, o_sb,
+                   o_sh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    """Count this split of (request, KV head) as done; the last one merges the pair's SPLITS partials (the
+    same arithmetic as ``_merge_splits_kernel``) into ``out`` and resets the count for the next launch.
+    The barrier makes every thread's partial stores precede the release of the count; the acquiring side
+    reads the partials past L1 (``.cg``)."""
+    tl.debug_barrier()
+    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if done == SPLITS - 1:
+        lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for sp in tl.static_range(SPLITS):
+            lse_sp = tl.load(mid_lse + b * l_sb + heads * l_sh + sp, mask=row_ok, other=0.0, cache_modifier=".cg")
+            lse_max = tl.maximum(lse_max, lse_sp)
+        w_sum = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        mask = row_ok[:, None] & d_ok[None, :]
+        for sp in tl.static_range(SPLITS):
+            lse_sp = tl.load(mid_lse + b * l_sb + heads * l_sh + sp, mask=row_ok, other=0.0, cache_modifier=".cg")
+            w = tl.exp2(lse_sp - lse_max)
+            o_sp = tl.load(mid_o + b * m_sb + heads[:, None] * m_sh + sp * m_ss + d[None, :], mask=mask, other=0.0,
+                           cache_modifier=".cg")
+            acc += o_sp * w[:, None]
+            w_sum += w
+        merged = acc / tl.where(row_ok, w_sum, 1.0)[:, None]
+        tl.store(out + b * o_sb + heads[:, None] * o_sh + d[None, :], merged.to(out.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -138,7 +173,7 @@ def num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int, kv_itemsize:
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, sm_scale: float, num_splits: int, out: torch.Tensor | None = None,
-                     launch: DecodeLaunch | None = None) -> torch.Tensor:
+                     launch: DecodeLaunch | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per request against its paged KV (see the module docstring).
 
     q [B, Hq, D] (any float dtype); ``out`` [B, Hq, D] of any float dtype (default: new, q's dtype) gets
@@ -146,7 +181,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     contiguous last dim, any float dtype incl. float8 (Hq a multiple of Hk); kv_indptr [B + 1] and
     kv_indices [kv_indptr[B]] int32 on q's device, every request with at least one token;
     ``num_splits`` a power of two (``num_kv_splits``); ``launch`` None: ``default_launch`` of the pool dtype.
-    No host sync; CUDA-graph safe.
+    ``counters``: int32, at least B * Hk elements, all 0 (they are 0 again when the kernel ends): the splits
+    merge inside stage 1 (no second launch); None: a merge kernel runs after it. No host sync; CUDA-graph safe.
     """
     b, hq, d = q.shape
     hk = k_buffer.shape[1]
@@ -168,6 +204,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         mid_lse = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         mid_o, mid_lse = out, out  # unused
+    fused = num_splits > 1 and counters is not None
+    if fused and (counters.dtype != torch.int32 or counters.numel() < b * hk or not counters.is_contiguous()):
+        raise ValueError(f"counters must be a contiguous int32 tensor of >= {b * hk} zeros")
     _decode_split_kernel[(b, hk, num_splits)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, out, mid_o, mid_lse, sm_scale * _LOG2E, 1.0,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
@@ -175,8 +214,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=launch.block_n, SPLITS=num_splits, NUM_STAGES=launch.num_stages, USE_PDL=pdl,
-        num_warps=launch.num_warps, launch_pdl=pdl)
-    if num_splits > 1:
+        counters=counters if fused else out, FUSED_MERGE=fused, num_warps=launch.num_warps, launch_pdl=pdl)
+    if num_splits > 1 and not fused:
         _merge_splits_kernel[(b, hq)](
             mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
             mid_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=block_d, SPLITS=num_splits,

@@ -142,7 +142,8 @@ class ModelRunner:
             max_indices = self.config.max_running_requests * (self.context_len + 1) + 1
             return FlashInferBackend(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling, self.dtype,
                                      self.device, max_indices, kv_dtype=self.kv_dtype,
-                                     decode_backend=self.config.decode_attention_backend)
+                                     decode_backend=self.config.decode_attention_backend,
+                                     max_batch_size=self.config.max_running_requests)
         raise ValueError(f"attention backend {name!r} is not available")
 
     def _graph_runner(self):
