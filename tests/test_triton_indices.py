@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from rollout.attention.flashinfer_backend import kv_indices_for  # noqa: E402
 from rollout.attention.triton_indices import (  # noqa: E402
-    CHUNK, DecodeBuffers, chunk_programs, prepare_decode, write_kv_indices)
+    CHUNK, SCAN, DecodeBuffers, chunk_programs, prepare_decode, write_kv_indices)
 from rollout.model_executor.forward_batch import ForwardMode  # noqa: E402
 from rollout.model_executor.model_runner import StepInput  # noqa: E402
 
@@ -76,7 +76,7 @@ def test_matches_reference(rows, seq_lens):
 
 def test_many_requests_random_order_and_lengths():
     gen = torch.Generator().manual_seed(2)
-    b = 37  # not a power of two: BLOCK_B masks the tail
+    b = 37  # not a multiple of the scan step: its tail is masked
     rows = torch.randint(0, 50, (b,), generator=gen).tolist()
     seq_lens = torch.randint(1, 2 * CHUNK + 50, (b,), generator=gen).tolist()
     check(random_table(50, 3 * CHUNK, seed=3), rows, seq_lens)
@@ -246,3 +246,14 @@ def test_prepare_rejects_short_buffers():
     with pytest.raises(ValueError):  # indices buffer below the total
         prepare_decode(packed, last, table, sentinel_buffers(4), indptr, torch.zeros(8, dtype=torch.int32,
                        device=DEVICE), 4, 9)
+
+
+def test_batches_longer_than_one_scan_step():
+    # more requests than SCAN, so a program sums the seq lens before it over several loop steps
+    gen = torch.Generator().manual_seed(18)
+    b = SCAN + 45
+    rows = torch.randperm(b + 9, generator=gen)[:b].tolist()
+    seq_lens = torch.randint(2, 40, (b,), generator=gen).tolist()
+    table = random_table(b + 9, 64, seed=19)
+    check(table, rows, seq_lens)
+    check_prepare(table, decode_step(rows, seq_lens), b + 30)

@@ -5,8 +5,8 @@ Semantics (``rollout.attention.flashinfer_backend.kv_indices_for`` is the torch 
     indptr[0] = 0, indptr[i + 1] = seq_lens[0] + ... + seq_lens[i]
     indices[indptr[i]:indptr[i + 1]] = req_to_token[rows[i], :seq_lens[i]]
 
-Grid (B, C): program (i, c) finds its request's start by summing the seq lens before it (all B of them
-are loaded at once, so B is bounded by what one program holds: a few thousand), then copies chunks c,
+Grid (B, C): program (i, c) finds its request's start by summing the seq lens before it (SCAN of them per
+loop step), then copies chunks c,
 c + C, c + 2C, ... of CHUNK tokens of row ``rows[i]``; its loop bound is the loaded seq len, so any
 length is covered whatever C is. Program (i, 0) writes ``indptr[i + 1]`` (and (0, 0) ``indptr[0]``).
 Nothing is read back to the host; the outputs are written in place (CUDA-graph buffers keep their
@@ -27,16 +27,30 @@ import triton.language as tl
 
 CHUNK = 1024  # tokens one program copies per loop step
 MAX_CHUNK_PROGRAMS = 4096  # cap on C (programs per request); longer requests loop
+SCAN = 256  # seq lens one program sums per loop step
+# The kernels run outside CUDA graphs, before every decode step: nothing in their compiled form depends on
+# the batch size (no batch-sized tile, ``batch`` not specialized), so the first step at a new batch size
+# compiles nothing (a compile there stalled the first timed decode on a fresh machine).
 
 
 @triton.jit
+def _start_of(lens, i, batch, PAD: tl.constexpr, SCAN: tl.constexpr):
+    """sum over j < i of (lens[j] if j < batch else PAD), SCAN entries per loop step."""
+    offs = tl.arange(0, SCAN)
+    acc = tl.zeros([SCAN], tl.int32)
+    for j0 in tl.range(0, i, SCAN):
+        j = j0 + offs
+        v = tl.load(lens + j, mask=j < batch, other=PAD).to(tl.int32)
+        acc += tl.where(j < i, v, 0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit(do_not_specialize=["batch"])
 def _kv_indices_kernel(req_to_token, rows, seq_lens, indptr, indices, batch, capacity, t_sr, t_sc,
-                       BLOCK_B: tl.constexpr, CHUNK: tl.constexpr):
+                       SCAN: tl.constexpr, CHUNK: tl.constexpr):
     i = tl.program_id(0)
     c = tl.program_id(1)
-    b = tl.arange(0, BLOCK_B)
-    lens = tl.load(seq_lens + b, mask=b < batch, other=0).to(tl.int32)
-    start = tl.sum(tl.where(b < i, lens, 0), axis=0)
+    start = _start_of(seq_lens, i, batch, 0, SCAN)
     n = tl.load(seq_lens + i).to(tl.int32)
     if c == 0:
         tl.store(indptr + i + 1, start + n)
@@ -84,7 +98,7 @@ def write_kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: t
     grid = (b, chunk_programs(b, total))
     _kv_indices_kernel[grid](req_to_token, rows, seq_lens, indptr, indices, b, indices.numel(),
                              req_to_token.stride(0), req_to_token.stride(1),
-                             BLOCK_B=triton.next_power_of_2(b), CHUNK=CHUNK, num_warps=4)
+                             SCAN=SCAN, CHUNK=CHUNK, num_warps=4)
     return indices[:total]
 
 
@@ -104,15 +118,13 @@ class DecodeBuffers:
         return self.input_ids, self.positions, self.out_cache_loc, self.rows, self.seq_lens
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch"])
 def _prepare_decode_kernel(packed, batch, last_token_ids, req_to_token, t_sr, t_sc, input_ids, positions,
                            out_cache_loc, rows_out, seq_lens_out, indptr, indices, capacity,
-                           BLOCK_B: tl.constexpr, CHUNK: tl.constexpr):
+                           SCAN: tl.constexpr, CHUNK: tl.constexpr):
     i = tl.program_id(0)
     c = tl.program_id(1)
-    b = tl.arange(0, BLOCK_B)
-    lens = tl.load(packed + 3 * batch + b, mask=b < batch, other=1).to(tl.int32)  # padding rows: 1
-    start = tl.sum(tl.where(b < i, lens, 0), axis=0)
+    start = _start_of(packed + 3 * batch, i, batch, 1, SCAN)  # padding rows: 1 token
     real = i < batch
     row = tl.load(packed + i, mask=real, other=0)
     pos = tl.load(packed + batch + i, mask=real, other=0)
@@ -180,5 +192,5 @@ def prepare_decode(packed: torch.Tensor, last_token_ids: torch.Tensor, req_to_to
     grid = (padded, chunk_programs(padded, total))
     _prepare_decode_kernel[grid](packed, b, last_token_ids, req_to_token, req_to_token.stride(0),
                                  req_to_token.stride(1), *out.tensors(), indptr, indices, indices.numel(),
-                                 BLOCK_B=triton.next_power_of_2(padded), CHUNK=CHUNK, num_warps=4)
+                                 SCAN=SCAN, CHUNK=CHUNK, num_warps=4)
     return indices[:total]

@@ -167,7 +167,7 @@ def _chunk_blocks(chunk, blocks_per_chunk, V: tl.constexpr, BLOCK: tl.constexpr)
     return lo, tl.minimum(lo + blocks_per_chunk, tl.cdiv(V, BLOCK))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["width", "n_chunks", "blocks_per_chunk"])  # one compile for every batch size
 def _scan_kernel(logits_ptr, stride, temp_ptr, seed_ptr, pos_ptr, greedy_ptr, processed_ptr, part_ptr, tok_ptr,
                  rank_ptr, width, n_chunks, blocks_per_chunk, V: tl.constexpr, BLOCK: tl.constexpr,
                  NB: tl.constexpr):
@@ -258,7 +258,7 @@ def _finish_chunk(row_ptr, t, part_ptr, tok_ptr, ids_ptr, lp_ptr, rank_ptr, chun
         tl.atomic_add(rank_ptr, count, mask=count > 0, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["width", "n_chunks", "blocks_per_chunk"])  # one compile for every batch size
 def _finish_kernel(logits_ptr, stride, temp_ptr, greedy_ptr, processed_ptr, part_ptr, tok_ptr, ids_ptr, lp_ptr,
                    rank_ptr, width, n_chunks, blocks_per_chunk, V: tl.constexpr, BLOCK: tl.constexpr,
                    NB: tl.constexpr):
