@@ -143,10 +143,11 @@ def _prepare_decode_kernel(packed, batch, last_token_ids, req_to_token, t_sr, t_
             tl.store(indptr, start)  # zero, in indptr's own type
     dst = indices + start
     t = tl.arange(0, CHUNK)
+    hole = tl.where(real, pos, -1)  # the position whose slot this launch writes (none for padding rows)
     for t0 in tl.range(c * CHUNK, n, tl.num_programs(1) * CHUNK):
         p = t0 + t
         ok = (p < n) & (start + p < capacity)
-        from_table = ok & ((p != pos) | (i >= batch))  # not the slot this launch writes: the input has it
+        from_table = ok & (p != hole)  # not the slot this launch writes: the input has it
         slots = tl.load(src + p.to(tl.int64) * t_sc, mask=from_table)
         tl.store(dst + p, tl.where(from_table, slots.to(tl.int32), slot.to(tl.int32)), mask=ok)
 
