@@ -156,3 +156,29 @@ def test_prompt_shared_with_the_prefill_in_flight_waits_and_reuses_its_cache(pat
     expected = hf_reference(path).greedy(prompt, 3)
     assert [o.outputs[0].token_ids for o in outs] == [expected] * 4
     assert [o.num_cached_tokens for o in outs].count(0) == 1  # only the first computes the prompt
+
+
+def test_a_prompt_that_fits_a_batch_is_not_split_across_two(path, hf_reference):
+    # budget 24: 10 + 10 fit, the third 10-token prompt waits for the next batch whole (not 4 + 6); the
+    # 30-token prompt, longer than any batch, is still chunked to fill the budget (14 + 16)
+    prompts = prompts_of_lengths([10, 10, 10, 30], seed=47)
+    sched = _scheduler(path, True, max_prefill_tokens=24, chunked_prefill_size=24)
+    batches: list[list[int]] = []
+    launch = sched.launch
+
+    def logged_launch(reqs, inputs, sampled):
+        if inputs.mode.value == "extend":
+            batches.append(list(inputs.extend_lens))
+        return launch(reqs, inputs, sampled)
+
+    sched.launch = logged_launch
+    for i, p in enumerate(prompts):
+        sched.handle(GenerateReq(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True),
+                                 seed=0))
+    while sched.busy:
+        sched.step()
+    assert batches == [[10, 10], [10, 14], [16]]
+    outs, _ = _run(path, True, prompts, SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True),
+                   max_prefill_tokens=24, chunked_prefill_size=24)
+    hf = hf_reference(path)
+    assert [o[0] for o in outs] == [hf.greedy(p, 3) for p in prompts]

@@ -140,3 +140,27 @@ def test_float8_kv_buffers_get_k_and_v_rounded_once(fp8, model_dtype):
     torch.testing.assert_close(k_buf[loc].float(), k_ref.to(fp8).float(), atol=0, rtol=0)
     torch.testing.assert_close(v_buf[loc].float(), v.float().to(fp8).float(), atol=0, rtol=0)
     assert (k_buf[0] == 0).all() and int((k_buf.float().abs().sum((1, 2)) > 0).sum()) == t
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_k_out_gets_rope_k_unrounded_beside_a_float8_pool(model_dtype):
+    """With k_out: rope(k) in the model dtype (what a fresh prefill attends to) and, in the pool, the same
+    values rounded once to float8; q and v as without it."""
+    hq, hk, d, t = 8, 2, 128, 29
+    rotary = make_rotary(d, model_dtype)
+    q, k, v, positions, loc, _, _ = make_case(t, hq, hk, d, model_dtype, seed=6)
+    k_buf = torch.zeros((NUM_SLOTS + 1, hk, d), dtype=torch.float8_e4m3fn, device=DEVICE)
+    v_buf = torch.zeros_like(k_buf)
+    k_out = torch.full(k.shape, SENTINEL, dtype=model_dtype, device=DEVICE)
+    q_out = rope_and_store_kv(q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_buf, v_buf, loc,
+                              k_out=k_out)
+    rotary32 = copy.deepcopy(rotary).float()
+    q_ref, k_ref = rotary32(positions, q.float(), k.float())
+    torch.testing.assert_close(q_out, q_ref.to(model_dtype), **tolerances(model_dtype))
+    torch.testing.assert_close(k_out, k_ref.to(model_dtype), **tolerances(model_dtype))
+    k_pool = k_buf[loc].float()  # the pool holds k_out's values rounded once more, to float8
+    torch.testing.assert_close(k_pool, k_ref.to(torch.float8_e4m3fn).float(), atol=0, rtol=0)
+    torch.testing.assert_close(v_buf[loc].float(), v.float().to(torch.float8_e4m3fn).float(), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="k_out"):
+        rope_and_store_kv(q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_buf, v_buf, loc,
+                          k_out=k_out[:, :1])

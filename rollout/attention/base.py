@@ -18,7 +18,13 @@ class AttentionBackend:
         """Prepare per-batch metadata once before the layers run (index lists, planner state)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: "Attention",
-                batch: "ForwardBatch") -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hk, D] for the new tokens → output [T, Hq, D]. k and v are None when the
-        model has already written them into the KV pool."""
+                batch: "ForwardBatch", kv_stored: bool = False) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hk, D] for the new tokens → output [T, Hq, D]. k and v are None, or given
+        with ``kv_stored``, when the model has already written them into the KV pool (given: a backend may
+        attend to them there instead of reading them back, see ``wants_fresh_kv``)."""
         raise NotImplementedError
+
+    def wants_fresh_kv(self, batch: "ForwardBatch") -> bool:
+        """Whether this batch's attention reads the new tokens' K/V from the tensors passed to ``forward``
+        (then a model that stores them itself passes them too, with ``kv_stored``)."""
+        return False

@@ -55,6 +55,14 @@ class DecodeGraphState:
 
 
 @dataclass
+class RaggedPrefill:
+    """A planned FlashInfer ragged prefill: attention of fresh prompts (no cached prefix) over their own K/V
+    as the model computed them, not as the float8 pool stores them (as SGLang does for new tokens)."""
+
+    wrapper: Any
+
+
+@dataclass
 class TritonDecodeMetadata:
     """What the Triton decode kernel needs per forward: device ``kv_indptr`` [B + 1], ``kv_indices``
     (int32 slots) and the number of KV splits (fixed per batch size)."""
@@ -97,6 +105,10 @@ class FlashInferBackend(AttentionBackend):
         self.decode = (flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
                        if self.decode_backend == "flashinfer" else None)
         self.kv_indices_buf = torch.zeros(max_kv_indices, dtype=torch.int32, device=device)
+        # float8 pools: fresh prompts attend over their unrounded K/V in the model dtype (the paged path reads
+        # the float8 pool with float16 queries: a slower kernel plus a conversion of q and of the output)
+        self.ragged = (flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
+                       if self.kv_dtype.itemsize == 1 else None)
         # Triton decode: one count per (request, KV head), 0 between launches, so the splits merge inside the
         # first kernel; sized for the largest batch the pool's index list allows
         self.split_counters = (torch.zeros(max_batch_size * num_kv_heads, dtype=torch.int32, device=device)
@@ -120,17 +132,16 @@ class FlashInferBackend(AttentionBackend):
             batch.attn_metadata = self._triton_decode_metadata(batch, graph)
             return
         seq_lens = batch.seq_lens_cpu
+        if self.ragged is not None and batch.mode != ForwardMode.DECODE and list(batch.extend_lens) == list(seq_lens):
+            batch.attn_metadata = self._plan_ragged(batch.extend_lens)
+            return
         total = sum(seq_lens)
         kv_indptr = _indptr(seq_lens)
         kv_indices = kv_indices_for(batch.req_to_token, batch.req_pool_indices, batch.seq_lens, total,
                                     out=self.kv_indices_buf)
         last = torch.ones(len(seq_lens), dtype=torch.int32).pin_memory()
         common = dict(q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=self.scaling)
-        # plan() fills a pinned host buffer of the wrapper and queues its copy to the device; the copy
-        # queued by the previous plan may still be waiting behind the step in flight (overlap scheduling),
-        # so let it finish before the buffer is overwritten (it runs as soon as that step starts)
-        if self._planned is not None:
-            self._planned.synchronize()
+        self._wait_for_last_plan()
         if batch.mode == ForwardMode.DECODE:
             wrapper = graph.wrapper if graph is not None else self.decode
             wrapper.plan(kv_indptr, kv_indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
@@ -139,9 +150,31 @@ class FlashInferBackend(AttentionBackend):
             wrapper = self.prefill
             wrapper.plan(_indptr(batch.extend_lens), kv_indptr, kv_indices, last, self.num_qo_heads,
                          self.num_kv_heads, self.head_dim, 1, causal=True, **common)
+        self._record_plan()
+        batch.attn_metadata = wrapper
+
+    def _wait_for_last_plan(self) -> None:
+        """plan() fills a pinned host buffer of the wrapper and queues its copy to the device; the copy
+        queued by the previous plan may still be waiting behind the step in flight (overlap scheduling),
+        so let it finish before the buffer is overwritten (it runs as soon as that step starts)."""
+        if self._planned is not None:
+            self._planned.synchronize()
+
+    def _record_plan(self) -> None:
         self._planned = torch.cuda.Event()
         self._planned.record()
-        batch.attn_metadata = wrapper
+
+    def _plan_ragged(self, extend_lens: list[int]) -> RaggedPrefill:
+        """Causal attention of each fresh prompt over itself, K/V in the model dtype (``forward`` gets them)."""
+        self._wait_for_last_plan()
+        indptr = _indptr(extend_lens)
+        self.ragged.plan(indptr, indptr, self.num_qo_heads, self.num_kv_heads, self.head_dim, causal=True,
+                         q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scaling)
+        self._record_plan()
+        return RaggedPrefill(self.ragged)
+
+    def wants_fresh_kv(self, batch: "ForwardBatch") -> bool:
+        return isinstance(batch.attn_metadata, RaggedPrefill)
 
     def _triton_decode_metadata(self, batch: "ForwardBatch", graph: DecodeGraphState | None) -> TritonDecodeMetadata:
         """Device-side index lists from one kernel launch (no host copy to wait for, so no event either):
@@ -178,12 +211,16 @@ class FlashInferBackend(AttentionBackend):
                                                                    self.kv_dtype.itemsize))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: "Attention",
-                batch: "ForwardBatch") -> torch.Tensor:
+                batch: "ForwardBatch", kv_stored: bool = False) -> torch.Tensor:
         pool = batch.kv_pool
-        if k is not None:  # None: the model already wrote this step's k and v (fused rope kernel)
+        if k is not None and not kv_stored:  # else the model already wrote them (fused rope kernel)
             pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
-        k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
         meta = batch.attn_metadata
+        if isinstance(meta, RaggedPrefill):
+            if k is None:
+                raise ValueError("a ragged prefill needs the new tokens' k and v (see wants_fresh_kv)")
+            return meta.wrapper.run(q.contiguous(), k, v)
+        k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
         if isinstance(meta, TritonDecodeMetadata):  # rounds q to its compute type and writes self.dtype itself
             out = torch.empty(q.shape, dtype=self.dtype, device=q.device)
             return decode_attention(q.contiguous(), k_buf, v_buf, meta.kv_indptr, meta.kv_indices, self.scaling,

@@ -24,9 +24,9 @@ class TorchNativeBackend(AttentionBackend):
                                for row, n in zip(rows, batch.seq_lens_cpu)]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: "Attention",
-                batch: "ForwardBatch") -> torch.Tensor:
+                batch: "ForwardBatch", kv_stored: bool = False) -> torch.Tensor:
         pool = batch.kv_pool
-        if k is not None:  # None: the model already wrote this step's k and v (fused rope kernel)
+        if k is not None and not kv_stored:  # else the model already wrote them (fused rope kernel)
             pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
         out = torch.empty_like(q)

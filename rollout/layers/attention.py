@@ -23,11 +23,13 @@ class Attention(nn.Module):
         self.scaling = scaling
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                batch: "ForwardBatch") -> torch.Tensor:
-        """Attention output [T, Hq * D]; k and v None mean they are already in the KV pool."""
+                batch: "ForwardBatch", kv_stored: bool = False) -> torch.Tensor:
+        """Attention output [T, Hq * D]; k and v None (or given with ``kv_stored``) mean they are already in
+        the KV pool."""
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         if k is not None:
             k = k.view(t, self.num_kv_heads, self.head_dim)
             v = v.view(t, self.num_kv_heads, self.head_dim)
-        return batch.attn_backend.forward(q, k, v, self, batch).reshape(t, self.num_heads * self.head_dim)
+        out = batch.attn_backend.forward(q, k, v, self, batch, kv_stored=kv_stored)
+        return out.reshape(t, self.num_heads * self.head_dim)

@@ -61,13 +61,13 @@ def _copy_tile(src, src_stride_h, dst, dst_stride_h, head0, n_heads,
 
 
 @triton.jit
-def _rope_store_kv_kernel(q, k, v, positions, cos_cache, sin_cache, k_buf, v_buf, out_loc, q_out,
+def _rope_store_kv_kernel(q, k, v, positions, cos_cache, sin_cache, k_buf, v_buf, out_loc, q_out, k_out,
                           q_st, q_sh, k_st, k_sh, v_st, v_sh, cos_st, sin_st, kb_ss, kb_sh, vb_ss, vb_sh,
-                          qo_st, qo_sh, n_q_heads, n_kv_heads,
+                          qo_st, qo_sh, ko_st, ko_sh, n_q_heads, n_kv_heads,
                           HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                          BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr):
+                          BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr, K_OUT: tl.constexpr):
     """Grid (T, cdiv(Hq, BLOCK_HQ) + cdiv(Hk, BLOCK_HK)): the first blocks of axis 1 rotate q heads,
-    the rest rotate k heads into the pool and copy the matching v heads."""
+    the rest rotate k heads into the pool (and into ``k_out`` when K_OUT) and copy the matching v heads."""
     pdl_prologue(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -83,6 +83,9 @@ def _rope_store_kv_kernel(q, k, v, positions, cos_cache, sin_cache, k_buf, v_buf
         slot = tl.load(out_loc + t).to(tl.int64)
         _rope_tile(k + t * k_st, k_sh, k_buf + slot * kb_ss, kb_sh, cos_row, sin_row, head0, n_kv_heads,
                    HALF, BLOCK_HK, BLOCK_HALF)
+        if K_OUT:
+            _rope_tile(k + t * k_st, k_sh, k_out + t * ko_st, ko_sh, cos_row, sin_row, head0, n_kv_heads,
+                       HALF, BLOCK_HK, BLOCK_HALF)
         _copy_tile(v + t * v_st, v_sh, v_buf + slot * vb_ss, vb_sh, head0, n_kv_heads,
                    HALF, BLOCK_HK, BLOCK_HALF)
 
@@ -110,7 +113,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_cache: torch.T
 
 def rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos_cache: torch.Tensor, sin_cache: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                      out_cache_loc: torch.Tensor, q_out: torch.Tensor | None = None) -> torch.Tensor:
+                      out_cache_loc: torch.Tensor, q_out: torch.Tensor | None = None,
+                      k_out: torch.Tensor | None = None) -> torch.Tensor:
     """Neox-style RoPE on q and k, with k and v written into one layer's paged KV pool, in one kernel.
 
     q [T, Hq, D], k/v [T, Hk, D] may be strided views (e.g. of a fused qkv output) but need a
@@ -120,7 +124,9 @@ def rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 
     Effect: ``k_buffer[out_cache_loc[t]] = rope(k[t])``, ``v_buffer[out_cache_loc[t]] = v[t]`` (cast to
     the buffer dtype). Returns ``rope(q)`` as ``q_out`` [T, Hq, D] (allocated contiguous in q's dtype when
-    None). rope(x) = x * cos + rotate_half(x) * sin, computed in float32 and rounded once on store.
+    None). With ``k_out`` [T, Hk, D] (last dim contiguous) it also gets ``rope(k)`` in its own dtype (the
+    attention of a fresh prefill over a float8 pool reads it there, unrounded to float8).
+    rope(x) = x * cos + rotate_half(x) * sin, computed in float32 and rounded once on store.
     out_cache_loc must be distinct per token (duplicate slots race). No host sync; CUDA-graph safe
     when q_out is given.
     """
@@ -133,10 +139,14 @@ def rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         return q_out
     block_hq, block_hk = _heads_per_program(n_q, d), _heads_per_program(n_kv, d)
     grid = (t, triton.cdiv(n_q, block_hq) + triton.cdiv(n_kv, block_hk))
+    if k_out is not None and (k_out.shape != k.shape or k_out.stride(-1) != 1):
+        raise ValueError(f"k_out {tuple(k_out.shape)} must have k's shape {tuple(k.shape)}, last dim contiguous")
+    ko = k_out if k_out is not None else q_out  # unused when None
     _rope_store_kv_kernel[grid](
-        q, k, v, positions, cos_cache, sin_cache, k_buffer, v_buffer, out_cache_loc, q_out,
+        q, k, v, positions, cos_cache, sin_cache, k_buffer, v_buffer, out_cache_loc, q_out, ko,
         *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], cos_cache.stride(0), sin_cache.stride(0),
-        *k_buffer.stride()[:2], *v_buffer.stride()[:2], *q_out.stride()[:2], n_q, n_kv,
+        *k_buffer.stride()[:2], *v_buffer.stride()[:2], *q_out.stride()[:2], *ko.stride()[:2], n_q, n_kv,
         HALF=d // 2, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=triton.next_power_of_2(d // 2),
-        USE_PDL=pdl_enabled(q.device), num_warps=_NUM_WARPS, launch_pdl=pdl_enabled(q.device))
+        USE_PDL=pdl_enabled(q.device), K_OUT=k_out is not None, num_warps=_NUM_WARPS,
+        launch_pdl=pdl_enabled(q.device))
     return q_out

@@ -46,9 +46,13 @@ class LlamaAttention(nn.Module):
             from rollout.layers.triton_rope import rope_and_store_kv
 
             pool, layer = batch.kv_pool, self.attn.layer_id
-            q = rope_and_store_kv(q, k, v.reshape(t, -1, self.head_dim), positions, self.rotary.cos_cache,
-                                  self.rotary.sin_cache, pool.k_buffers[layer], pool.v_buffers[layer],
-                                  batch.out_cache_loc)
+            v = v.reshape(t, -1, self.head_dim)
+            fresh = batch.attn_backend.wants_fresh_kv(batch)
+            k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if fresh else None
+            q = rope_and_store_kv(q, k, v, positions, self.rotary.cos_cache, self.rotary.sin_cache,
+                                  pool.k_buffers[layer], pool.v_buffers[layer], batch.out_cache_loc, k_out=k_out)
+            if fresh:
+                return self.o_proj(self.attn(q, k_out, v.contiguous(), batch, kv_stored=True))
             return self.o_proj(self.attn(q, None, None, batch))
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, batch))

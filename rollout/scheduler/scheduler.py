@@ -278,7 +278,7 @@ class Scheduler(WeightUpdateMixin):
             if req.seq_len + 1 > self.allocator.num_slots:
                 self.finish(req, FinishReason("abort", message="sequence does not fit in the KV cache"))
                 continue
-            n = self._admit_new(req, budget, running + len(reqs), in_batch)
+            n = self._admit_new(req, budget, running + len(reqs), in_batch, split_ok=not reqs)
             if n is None:
                 deferred.append(req)
                 continue
@@ -295,14 +295,24 @@ class Scheduler(WeightUpdateMixin):
             return None
         return self._launch_extend(reqs, lens)
 
-    def _admit_new(self, req: Req, budget: int, headroom: int, in_batch: RadixCache) -> int | None:
-        """Place a waiting request's cached prefix and first chunk; 0 = no room now, None = defer."""
+    def _admit_new(self, req: Req, budget: int, headroom: int, in_batch: RadixCache,
+                   split_ok: bool = True) -> int | None:
+        """Place a waiting request's cached prefix and first chunk; 0 = no room now, None = defer.
+
+        Without ``split_ok`` (the batch already holds requests) a prompt that would fit a batch of its own
+        is not split to fill the rest of this one: it waits for the next batch whole (0). A whole prompt
+        needs no cached prefix in its step, so with a float8 KV pool it attends over its fresh K/V, and no
+        chunk continuation puts the next batch on the prefix path. Prompts longer than a batch are chunked."""
         fill = req.fill_ids
         prefix, node = self.tree.match_prefix(fill[:-1])
         shared, _ = in_batch.match_prefix(fill[:-1])
         extra = len(shared) - len(prefix)
         if extra > 0 and extra >= min(self.config.in_batch_prefix_threshold, len(fill) - 1 - len(prefix)):
             return None  # computed by a request already in this batch: wait and reuse its cache entry
+        rest = len(fill) - len(prefix)
+        whole_batch = min(self.config.max_prefill_tokens, self.config.chunked_prefill_size)
+        if not split_ok and budget < rest <= whole_batch:
+            return 0
         self.tree.inc_lock_ref(node)
         chunk = min(len(fill) - len(prefix), budget, self.config.chunked_prefill_size)
         if not self._ensure_slots(chunk + headroom):
