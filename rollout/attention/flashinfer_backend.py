@@ -110,7 +110,7 @@ class FlashInferBackend(AttentionBackend):
         self.ragged = (flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
                        if self.kv_dtype.itemsize == 1 else None)
         # Triton decode: one count per (request, KV head), 0 between launches, so the splits merge inside the
-        # first kernel; sized for the largest batch the pool's index list allows
+        # first kernel; sized for max_batch_size requests (a larger decode batch raises in decode_attention)
         self.split_counters = (torch.zeros(max_batch_size * num_kv_heads, dtype=torch.int32, device=device)
                                if self.decode_backend == "triton" else None)
         self._planned: torch.cuda.Event | None = None  # recorded after the last plan's host-to-device copies
