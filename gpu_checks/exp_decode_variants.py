@@ -37,6 +37,14 @@ def _widen(x, CVT: tl.constexpr):
 
 
 @triton.jit
+def _rescale(acc, l_i, m_i, m_tile):
+    """Online softmax: move the accumulator and the sum to the new running max (base 2)."""
+    m_new = tl.maximum(m_i, m_tile)
+    alpha = tl.exp2(m_i - m_new)
+    return acc * alpha[:, None], l_i * alpha, m_new
+
+
+@triton.jit
 def exp_decode_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, sm_scale, v_one, v_zero,
                       q_sb, q_sh, k_ss, k_sh, v_ss, v_sh, o_sb, o_sh,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -84,21 +92,12 @@ def exp_decode_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, sm_scale, v_o
             s = tl.dot(qh, tl.trans(kh)) * qscale
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_tile = tl.max(s, 1)
-        if LAZY:
+        if LAZY:  # rescale only when the running max grows by more than 2**8
             if tl.max(m_tile - m_i, 0) > 8.0:
-                m_new = tl.maximum(m_i, m_tile)
-                alpha = tl.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p = tl.exp2(s - m_i[:, None])
+                acc, l_i, m_i = _rescale(acc, l_i, m_i, m_tile)
         else:
-            m_new = tl.maximum(m_i, m_tile)
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-            p = tl.exp2(s - m_i[:, None])
+            acc, l_i, m_i = _rescale(acc, l_i, m_i, m_tile)
+        p = tl.exp2(s - m_i[:, None])
         if CVT == 0:
             vh = tl.where(n_ok[:, None], vt.to(tl.float16), 0.0)
         elif CVT == 3:

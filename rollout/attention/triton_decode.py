@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.layers.triton_pdl import pdl_enabled, pdl_prologue
+from rollout.layers.triton_pdl import pdl_launch, pdl_prologue
 
 _LOG2E = 1.4426950408889634
 
@@ -198,7 +198,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     group = hq // hk
     block_d = triton.next_power_of_2(d)
     launch = launch or default_launch(k_buffer.dtype)
-    pdl = pdl_enabled(q.device)
+    pdl = pdl_launch(q.device)
     if num_splits > 1:
         mid_o = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
@@ -213,12 +213,12 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if num_splits > 1 else 0,
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=launch.block_n, SPLITS=num_splits, NUM_STAGES=launch.num_stages, USE_PDL=pdl,
-        counters=counters if fused else out, FUSED_MERGE=fused, num_warps=launch.num_warps, launch_pdl=pdl)
+        BLOCK_N=launch.block_n, SPLITS=num_splits, NUM_STAGES=launch.num_stages,
+        counters=counters if fused else out, FUSED_MERGE=fused, num_warps=launch.num_warps, **pdl)
     if num_splits > 1 and not fused:
         _merge_splits_kernel[(b, hq)](
             mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
             mid_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=block_d, SPLITS=num_splits,
-            USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+            num_warps=4, **pdl)
     return out
 

@@ -66,6 +66,15 @@ def _kv_indices_kernel(req_to_token, rows, seq_lens, indptr, indices, batch, cap
         tl.store(dst + pos, slots.to(tl.int32), mask=ok)
 
 
+def _check_index_outputs(req_to_token: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
+                         total: int) -> None:
+    """What both launchers need of the table and the index buffers: int32, and room for ``total`` indices."""
+    if indptr.dtype != torch.int32 or indices.dtype != torch.int32 or req_to_token.dtype != torch.int32:
+        raise TypeError("req_to_token, indptr and indices must be int32")
+    if total > indices.numel():
+        raise ValueError(f"{total} indices do not fit a buffer of {indices.numel()}")
+
+
 def chunk_programs(batch_size: int, total: int) -> int:
     """Programs per request (C): enough CHUNK-token chunks to cover the average request of a batch of
     ``batch_size`` holding ``total`` tokens, at least 1 and at most ``MAX_CHUNK_PROGRAMS``."""
@@ -86,12 +95,9 @@ def write_kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: t
     b = rows.shape[0]
     if seq_lens.shape[0] != b or indptr.numel() < b + 1:
         raise ValueError(f"{b} rows, {seq_lens.shape[0]} seq lens, indptr of {indptr.numel()} (need B + 1)")
-    if indptr.dtype != torch.int32 or indices.dtype != torch.int32 or req_to_token.dtype != torch.int32:
-        raise TypeError("req_to_token, indptr and indices must be int32")
     if not (indptr.is_contiguous() and indices.is_contiguous()):
         raise ValueError("indptr and indices must be contiguous")
-    if total > indices.numel():
-        raise ValueError(f"{total} indices do not fit a buffer of {indices.numel()}")
+    _check_index_outputs(req_to_token, indptr, indices, total)
     if b == 0:
         indptr[:1].zero_()
         return indices[:0]
@@ -181,12 +187,9 @@ def prepare_decode(packed: torch.Tensor, last_token_ids: torch.Tensor, req_to_to
         raise ValueError(f"packed must be contiguous int64 [4, B], got {packed.dtype} {tuple(packed.shape)}")
     if padded < b or indptr.numel() < padded + 1 or any(t.numel() < padded for t in out.tensors()):
         raise ValueError(f"{b} rows padded to {padded}: buffers too short")
-    if indptr.dtype != torch.int32 or indices.dtype != torch.int32 or req_to_token.dtype != torch.int32:
-        raise TypeError("req_to_token, indptr and indices must be int32")
     if any(t.stride(0) != 1 for t in (indptr, indices, last_token_ids, *out.tensors())):
         raise ValueError("indptr, indices, last_token_ids and the decode buffers need stride 1")
-    if total > indices.numel():
-        raise ValueError(f"{total} indices do not fit a buffer of {indices.numel()}")
+    _check_index_outputs(req_to_token, indptr, indices, total)
     if padded == 0:
         indptr[:1].zero_()
         return indices[:0]

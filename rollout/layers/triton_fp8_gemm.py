@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.layers.triton_pdl import pdl_enabled, pdl_prologue
+from rollout.layers.triton_pdl import pdl_launch, pdl_prologue
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,5 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     grid = (triton.cdiv(n, launch.block_n), triton.cdiv(m, launch.block_m))
     _fp8_gemm_kernel[grid](a, w, out, a_scale, w_scale, m, n, k, a.stride(0), w.stride(0), out.stride(0),
                            BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-                           NUM_STAGES=launch.num_stages, USE_PDL=pdl_enabled(a.device), num_warps=launch.num_warps,
-                           launch_pdl=pdl_enabled(a.device))
+                           NUM_STAGES=launch.num_stages, num_warps=launch.num_warps, **pdl_launch(a.device))
     return out

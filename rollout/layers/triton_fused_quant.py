@@ -20,7 +20,7 @@ import triton.language as tl
 
 from rollout.layers.quantization import (_MIN_SCALE, FP8_DTYPE, FP8_MAX, FUSED_QUANT_MAX_COLS, INV_FP8_MAX,
                                          Fp8Activation, fused_quant_supports)
-from rollout.layers.triton_pdl import pdl_enabled, pdl_prologue
+from rollout.layers.triton_pdl import pdl_launch, pdl_prologue
 from rollout.layers.triton_quant import quantize_row
 
 
@@ -90,8 +90,8 @@ def add_rmsnorm_quant_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight
         res = x if residual is None else residual
         _add_rmsnorm_quant_kernel[(t,)](x, res, weight, out.q, out.scale, k, x.stride(0), res.stride(0),
                                         out.q.stride(0), eps, FP8_MAX, INV_FP8_MAX, _MIN_SCALE,
-                                        HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=pdl_enabled(x.device),
-                                        num_warps=warps, launch_pdl=pdl_enabled(x.device))
+                                        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=warps,
+                                        **pdl_launch(x.device))
     return out
 
 
@@ -104,6 +104,5 @@ def silu_mul_quant_fp8(gate_up: torch.Tensor) -> Fp8Activation:
     if t:
         block, warps = _launch_shape(n)
         _silu_mul_quant_kernel[(t,)](gate_up, out.q, out.scale, n, gate_up.stride(0), out.q.stride(0), FP8_MAX,
-                                     INV_FP8_MAX, _MIN_SCALE, BLOCK=block, USE_PDL=pdl_enabled(gate_up.device),
-                                     num_warps=warps, launch_pdl=pdl_enabled(gate_up.device))
+                                     INV_FP8_MAX, _MIN_SCALE, BLOCK=block, num_warps=warps, **pdl_launch(gate_up.device))
     return out

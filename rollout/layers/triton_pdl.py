@@ -24,6 +24,13 @@ def pdl_enabled(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """Launch keywords for a kernel that starts with ``pdl_prologue(USE_PDL)``: its ``USE_PDL`` constexpr and
+    Triton's ``launch_pdl`` option, both ``pdl_enabled(device)``."""
+    on = pdl_enabled(device)
+    return {"USE_PDL": on, "launch_pdl": on}
+
+
 @triton.jit
 def pdl_prologue(USE_PDL: tl.constexpr):
     """With ``USE_PDL``: wait until the previous kernel's writes are visible, then allow the next kernel to

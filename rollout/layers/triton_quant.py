@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.layers.triton_pdl import pdl_enabled, pdl_prologue
+from rollout.layers.triton_pdl import pdl_launch, pdl_prologue
 
 from rollout.layers.quantization import _MIN_SCALE, FP8_MAX, INV_FP8_MAX
 
@@ -74,6 +74,5 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = triton.next_power_of_2(k) if one_pass else _BLOCK
         warps = 4 if not one_pass or block <= 4096 else 8
         _per_token_quant_kernel[(t,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, INV_FP8_MAX, _MIN_SCALE,
-                                      BLOCK=block, ONE_PASS=one_pass, USE_PDL=pdl_enabled(x.device),
-                                      num_warps=warps, launch_pdl=pdl_enabled(x.device))
+                                      BLOCK=block, ONE_PASS=one_pass, num_warps=warps, **pdl_launch(x.device))
     return q, scale

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.layers.triton_pdl import pdl_enabled, pdl_prologue
+from rollout.layers.triton_pdl import pdl_launch, pdl_prologue
 
 # Elements (heads * head_dim) one program handles; keeps the fp32 tile at ~16 values per thread.
 _TILE_ELEMS = 2048
@@ -147,6 +147,5 @@ def rope_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], cos_cache.stride(0), sin_cache.stride(0),
         *k_buffer.stride()[:2], *v_buffer.stride()[:2], *q_out.stride()[:2], *ko.stride()[:2], n_q, n_kv,
         HALF=d // 2, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=triton.next_power_of_2(d // 2),
-        USE_PDL=pdl_enabled(q.device), K_OUT=k_out is not None, num_warps=_NUM_WARPS,
-        launch_pdl=pdl_enabled(q.device))
+        K_OUT=k_out is not None, num_warps=_NUM_WARPS, **pdl_launch(q.device))
     return q_out
