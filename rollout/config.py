@@ -12,7 +12,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")  # auto: flashinfer on CUDA when installed
-DECODE_ATTENTION_BACKENDS = ("auto", "flashinfer", "triton")  # under flashinfer; auto: triton
+DECODE_ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "xqa")  # under flashinfer; auto: triton
+XQA_PAGE_SIZES = (16, 32, 64, 128)  # the page sizes FlashInfer's XQA decode kernel is built for
 QUANTIZATION_METHODS = ("fp8",)  # online: a checkpoint in the model dtype, quantized as it loads
 
 
@@ -127,7 +128,12 @@ class EngineConfig:
     vLLM's option): half the KV bytes read per decode step and twice the slots, at fp8 precision.
     ``decode_attention_backend`` (SGLang's name) picks the decode kernel under the flashinfer backend:
     "triton" (``rollout.attention.triton_decode``; "auto" picks it: faster than FlashInfer 0.6.6's on
-    H200 for bf16 and fp8 pools) or "flashinfer".
+    H200 for bf16 and fp8 pools), "flashinfer", or "xqa" (FlashInfer's XQA kernel from TensorRT-LLM; needs
+    ``page_size`` in ``XQA_PAGE_SIZES``; with a float8 pool on Hopper it also rounds q and the softmax
+    weights to float8 and multiplies on float8 tensor cores, as vLLM's FA3 and TensorRT-LLM do).
+    ``page_size`` (SGLang's name): KV slots are handed out in pages of that many tokens, each request's
+    tokens filling its pages in order, and the prefix cache shares whole pages only (default 1: any
+    prefix is shared).
     ``quantization`` "fp8" (SGLang's and vLLM's online fp8) stores the decoder layers' projection
     weights as float8_e4m3fn with per-row scales and quantizes their inputs per token
     (``rollout.layers.quantization``): half the weight bytes and fp8 tensor-core GEMMs, at fp8
@@ -163,6 +169,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     cuda_graph_max_bs: int = 256
+    page_size: int = 1
     skip_tokenizer_init: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -179,6 +186,10 @@ class EngineConfig:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
         if self.decode_attention_backend not in DECODE_ATTENTION_BACKENDS:
             raise ValueError(f"unknown decode_attention_backend {self.decode_attention_backend!r}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.decode_attention_backend == "xqa" and self.page_size not in XQA_PAGE_SIZES:
+            raise ValueError(f"decode_attention_backend 'xqa' needs page_size in {XQA_PAGE_SIZES}, got {self.page_size}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

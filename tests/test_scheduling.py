@@ -1,4 +1,5 @@
-"""Prefix cache, n-sample sharing, chunked prefill, KV pressure, seeds and stop strings, against transformers."""
+"""Prefix cache, n-sample sharing, chunked prefill, KV pressure, seeds and stop strings, against transformers;
+each with KV pages of 1 token and of 4 (``page_size``: prefixes shared in whole pages)."""
 
 from __future__ import annotations
 
@@ -15,19 +16,28 @@ def path(tiny_dir):
     return tiny_dir("llama")
 
 
+@pytest.fixture(scope="module", params=[1, 4], ids=["page1", "page4"])
+def page(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def engine(path):
-    with Engine(path, dtype="float32", device="cpu") as e:
+def engine(path, page):
+    with Engine(path, dtype="float32", device="cpu", page_size=page) as e:
         yield e
 
 
 @pytest.fixture(scope="module")
-def chunked_engine(path):
-    with Engine(path, dtype="float32", device="cpu", chunked_prefill_size=4, max_prefill_tokens=8) as e:
+def chunked_engine(path, page):
+    with Engine(path, dtype="float32", device="cpu", chunked_prefill_size=4, max_prefill_tokens=8, page_size=page) as e:
         yield e
 
 
-def test_common_prefix_is_shared_and_exact(engine, path, hf_reference):
+def whole_pages(n: int, page: int) -> int:
+    return n - n % page
+
+
+def test_common_prefix_is_shared_and_exact(engine, path, page, hf_reference):
     hf = hf_reference(path)
     prefix = prompts_of_lengths([30], seed=11)[0]
     suffixes = prompts_of_lengths([1, 4, 2, 7, 3, 5, 6, 2], seed=12)
@@ -37,10 +47,10 @@ def test_common_prefix_is_shared_and_exact(engine, path, hf_reference):
                            use_tqdm=False)
     for s, out in zip(suffixes, [first] + outs):
         assert out.outputs[0].token_ids == hf.greedy(prefix + s, 10)
-    assert all(out.num_cached_tokens >= 30 for out in outs)
+    assert all(out.num_cached_tokens >= whole_pages(30, page) for out in outs)
 
 
-def test_common_prefix_submitted_together(engine, path, hf_reference):
+def test_common_prefix_submitted_together(engine, path, page, hf_reference):
     hf = hf_reference(path)
     prefix = prompts_of_lengths([40], seed=21)[0]
     prompts = [prefix + s for s in prompts_of_lengths([3, 5, 2, 8, 4, 6, 1, 7], seed=22)]
@@ -48,17 +58,17 @@ def test_common_prefix_submitted_together(engine, path, hf_reference):
                            use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf.greedy(prompt, 8)
-    assert sum(out.num_cached_tokens >= 40 for out in outs) >= len(prompts) - 1
+    assert sum(out.num_cached_tokens >= whole_pages(40, page) for out in outs) >= len(prompts) - 1
 
 
-def test_n_samples_share_the_prompt(engine, path, hf_reference):
+def test_n_samples_share_the_prompt(engine, path, page, hf_reference):
     prompt = prompts_of_lengths([25], seed=31)[0]
     out = engine.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(n=8, max_new_tokens=12, **GREEDY),
                           use_tqdm=False)[0]
     expected = hf_reference(path).greedy(prompt, 12)
     assert len(out.outputs) == 8 and [o.index for o in out.outputs] == list(range(8))
     assert all(o.token_ids == expected for o in out.outputs)
-    assert out.num_cached_tokens == len(prompt) - 1
+    assert out.num_cached_tokens == whole_pages(len(prompt) - 1, page)
 
 
 def test_chunked_prefill_is_exact(chunked_engine, path, hf_reference):
@@ -70,11 +80,11 @@ def test_chunked_prefill_is_exact(chunked_engine, path, hf_reference):
         assert out.outputs[0].token_ids == hf.greedy(prompt, 10)
 
 
-def test_tiny_kv_pool_retracts_and_finishes_everything(path, hf_reference):
+def test_tiny_kv_pool_retracts_and_finishes_everything(path, page, hf_reference):
     hf = hf_reference(path)
     prompts = prompts_of_lengths([12, 20, 9, 15, 18, 7, 22, 14], seed=51)
     params = SamplingParams(max_new_tokens=24, logprobs=0, **GREEDY)
-    with Engine(path, dtype="float32", device="cpu", max_total_tokens=96) as engine:
+    with Engine(path, dtype="float32", device="cpu", max_total_tokens=96, page_size=page) as engine:
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         info = engine.get_server_info()
     assert info["max_total_tokens"] == 96

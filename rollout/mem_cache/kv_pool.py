@@ -1,7 +1,10 @@
 """Preallocated KV-cache memory: the per-layer KV buffers, the slot allocator, and the request table.
 
-Slots are token-granular pages (page size 1, as SGLang's default): a request holds one KV slot per
-token, listed in its row of ``ReqToTokenPool``. Slot 0 is reserved as a scratch slot for padding.
+A request holds one KV slot per token, listed in its row of ``ReqToTokenPool``. Slots come in pages of
+``page_size`` tokens (SGLang's ``page_size``; default 1): page p holds slots [p * page_size, (p + 1) *
+page_size), and a request's token at position i sits at offset i % page_size of its (i // page_size)-th
+page, so a paged kernel can read a request from its page list. Page 0 is reserved: slot 0 is the
+scratch slot that padding rows write.
 """
 
 from __future__ import annotations
@@ -14,19 +17,27 @@ from rollout.device_copy import to_device
 
 
 class KVPool:
-    """K and V buffers for every layer: ``[num_slots + 1, num_kv_heads, head_dim]`` each, in ``dtype``
-    (the model dtype, or a float8 type: values are stored as ``x.to(float8)``, unit scale)."""
+    """K and V buffers for every layer: ``[num_slots + page_size, num_kv_heads, head_dim]`` each (page 0
+    reserved), in ``dtype`` (the model dtype, or a float8 type: values are stored as ``x.to(float8)``, unit
+    scale). ``num_slots`` is a multiple of ``page_size``; ``paged(buf)`` views a buffer as pages."""
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: Any) -> None:
+                 dtype: torch.dtype, device: Any, page_size: int = 1) -> None:
+        if num_slots % page_size:
+            raise ValueError(f"{num_slots} slots are not whole pages of {page_size}")
         self.num_slots = num_slots
-        shape = (num_slots + 1, num_kv_heads, head_dim)
+        self.page_size = page_size
+        shape = (num_slots + page_size, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def paged(self, buf: torch.Tensor) -> torch.Tensor:
+        """``buf`` viewed as ``[num_pages + 1, page_size, num_kv_heads, head_dim]`` (NHD pages)."""
+        return buf.view(-1, self.page_size, *buf.shape[1:])
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """buffers[layer_id][loc] = k, v, cast (rounded to nearest) to the pool dtype."""
@@ -38,32 +49,87 @@ class KVPool:
 
 
 class SlotAllocator:
-    """Hands out KV slot indices 1..num_slots; all bookkeeping on the CPU (int64 tensors)."""
+    """Hands out the KV slots of pages 1..num_slots // page_size; all bookkeeping on the CPU (int64 tensors).
 
-    def __init__(self, num_slots: int) -> None:
+    Contract: a request's slots come from ``alloc(n, kv_len, last_slot)``, which first fills the free tail
+    of the page holding its position ``kv_len - 1`` and then takes whole pages, so position i of a request
+    always sits at offset i % page_size of a page. ``free(slots)`` returns every page that ``slots`` touch:
+    callers free a page only when none of its slots is still in use (whole pages, or a request's last,
+    partly written page). Freeing a page twice raises. With page size 1 pages are slots."""
+
+    def __init__(self, num_slots: int, page_size: int = 1) -> None:
+        if num_slots % page_size:
+            raise ValueError(f"{num_slots} slots are not whole pages of {page_size}")
         self.num_slots = num_slots
-        self._free = [torch.arange(1, num_slots + 1, dtype=torch.int64)]
-        self._num_free = num_slots
+        self.page_size = page_size
+        num_pages = num_slots // page_size
+        self._free = [torch.arange(1, num_pages + 1, dtype=torch.int64)]
+        self._num_free = num_pages
+        self._is_free = torch.ones(num_pages + 1, dtype=torch.bool)
+        self._is_free[0] = False
 
     @property
     def available(self) -> int:
-        return self._num_free
+        """Slots in free pages."""
+        return self._num_free * self.page_size
 
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """``n`` free slots, or None (nothing taken) when fewer than ``n`` are free."""
-        if n > self._num_free:
+    def slots_needed(self, n: int, kv_len: int = 0) -> int:
+        """Slots of the free pages that ``alloc(n, kv_len, ...)`` takes (whole pages)."""
+        in_page = -kv_len % self.page_size
+        return -(-max(n - in_page, 0) // self.page_size) * self.page_size
+
+    def alloc(self, n: int, kv_len: int = 0, last_slot: int = 0) -> torch.Tensor | None:
+        """Slots for a request's next ``n`` tokens (positions kv_len..kv_len+n-1; ``last_slot``: the slot of
+        position kv_len - 1), or None (nothing taken) when too few pages are free. With page size 1 any
+        ``n`` free slots (the request arguments do not matter)."""
+        p = self.page_size
+        in_page = min(-kv_len % p, n)
+        pages = self._take(-(-(n - in_page) // p))
+        if pages is None:
+            return None
+        head = torch.arange(last_slot + 1, last_slot + 1 + in_page, dtype=torch.int64)
+        if p == 1:
+            return torch.cat([head, pages]) if in_page else pages
+        body = (pages[:, None] * p + torch.arange(p)).reshape(-1)[:n - in_page]
+        return torch.cat([head, body])
+
+    def alloc_decode(self, kv_lens: list[int], last_slots: list[int]) -> torch.Tensor | None:
+        """One slot for each request's next token (``alloc(1, kv_lens[i], last_slots[i])`` for every i, all
+        or nothing)."""
+        p = self.page_size
+        if p == 1:
+            return self._take(len(kv_lens))
+        new = [i for i, k in enumerate(kv_lens) if k % p == 0]
+        pages = self._take(len(new))
+        if pages is None:
+            return None
+        out = torch.tensor(last_slots, dtype=torch.int64) + 1
+        if new:
+            out[torch.tensor(new)] = pages * p
+        return out
+
+    def _take(self, num_pages: int) -> torch.Tensor | None:
+        if num_pages > self._num_free:
             return None
         if len(self._free) > 1:
             self._free = [torch.cat(self._free)]
-        out, rest = self._free[0][:n], self._free[0][n:]
+        out, rest = self._free[0][:num_pages], self._free[0][num_pages:]
         self._free = [rest]
-        self._num_free -= n
+        self._num_free -= num_pages
+        self._is_free[out] = False
         return out
 
     def free(self, slots: torch.Tensor) -> None:
-        if slots.numel():
-            self._free.append(slots.to(torch.int64).cpu())
-            self._num_free += slots.numel()
+        if not slots.numel():
+            return
+        pages = slots.to(torch.int64).cpu()
+        if self.page_size > 1:
+            pages = torch.unique(pages // self.page_size)
+        if bool(self._is_free[pages].any()) or pages.numel() != torch.unique(pages).numel():
+            raise RuntimeError("a KV page was freed twice")
+        self._is_free[pages] = True
+        self._free.append(pages)
+        self._num_free += pages.numel()
 
 
 class ReqToTokenPool:

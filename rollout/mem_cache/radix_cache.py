@@ -1,9 +1,13 @@
-"""Radix tree over token ids whose nodes own KV slots (SGLang's RadixCache, page size 1).
+"""Radix tree over token ids whose nodes own KV slots (SGLang's RadixCache).
 
-Contract:
-- ``match_prefix(tokens)`` returns the slots of the longest cached prefix and the node it ends at.
-- ``insert(tokens, slots)`` adds a sequence, takes ownership of the slots past the already-cached
-  prefix, and returns that prefix's length (the caller frees its own duplicate slots in that range).
+Contract (``page_size`` P, default 1):
+- Every node holds a multiple of P tokens, and nodes branch only where whole pages differ, so every
+  cached prefix is whole pages whose slots are whole KV pages.
+- ``match_prefix(tokens)`` returns the slots of the longest cached prefix (a multiple of P tokens) and
+  the node it ends at.
+- ``insert(tokens, slots)`` adds the sequence's whole pages (its first len // P * P tokens), takes
+  ownership of their slots past the already-cached prefix, and returns that prefix's length (a multiple
+  of P; the caller frees its own duplicate slots in that range, and keeps the slots past the whole pages).
 - A node with ``lock_ref > 0`` (a running request uses it) and its ancestors are never evicted.
 - ``evict(n)`` frees at least ``n`` slots (if possible) from unlocked leaves, least recently used first.
 """
@@ -33,20 +37,22 @@ class TreeNode:
         return self.last_access < other.last_access
 
 
-def _common_len(a: list[int], b: list[int]) -> int:
+def _common_len(a: list[int], b: list[int], page_size: int = 1) -> int:
+    """Length of the common prefix of ``a`` and ``b``, rounded down to whole pages."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
-    return i
+    return i - i % page_size
 
 
 class RadixCache:
     """Prefix cache of KV slots; ``free_slots`` returns evicted slots to the allocator."""
 
-    def __init__(self, free_slots: Callable[[torch.Tensor], None], disabled: bool = False) -> None:
+    def __init__(self, free_slots: Callable[[torch.Tensor], None], disabled: bool = False, page_size: int = 1) -> None:
         self.free_slots = free_slots
         self.disabled = disabled
+        self.page_size = page_size
         self._uids = itertools.count()
         self._clock = itertools.count(1)
         self.reset()
@@ -62,15 +68,23 @@ class RadixCache:
     def total_size(self) -> int:
         return self.evictable_size + self.protected_size
 
+    def _child_key(self, tokens: list[int], pos: int) -> int | tuple[int, ...]:
+        """The key of the child holding ``tokens[pos:]``: its first token, or its first page."""
+        return tokens[pos] if self.page_size == 1 else tuple(tokens[pos:pos + self.page_size])
+
+    def _whole_pages(self, tokens: list[int]) -> list[int]:
+        return tokens[:len(tokens) - len(tokens) % self.page_size]
+
     def match_prefix(self, tokens: list[int]) -> tuple[torch.Tensor, TreeNode]:
+        tokens = self._whole_pages(tokens)
         if self.disabled or not tokens:
             return torch.empty(0, dtype=torch.int64), self.root
         node, values, pos = self.root, [], 0
         now = next(self._clock)
         node.last_access = now
-        while pos < len(tokens) and tokens[pos] in node.children:
-            child = node.children[tokens[pos]]
-            n = _common_len(child.key, tokens[pos:])
+        while pos < len(tokens) and self._child_key(tokens, pos) in node.children:
+            child = node.children[self._child_key(tokens, pos)]
+            n = _common_len(child.key, tokens[pos:], self.page_size)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
@@ -80,14 +94,16 @@ class RadixCache:
         return slots, node
 
     def insert(self, tokens: list[int], slots: torch.Tensor) -> int:
-        """Insert ``tokens`` → ``slots``; returns how many leading tokens were already cached."""
+        """Insert the whole pages of ``tokens`` → ``slots``; returns how many leading tokens were already
+        cached."""
         if self.disabled:
             return 0
+        tokens = self._whole_pages(tokens)
         node, pos = self.root, 0
         now = next(self._clock)
-        while pos < len(tokens) and tokens[pos] in node.children:
-            child = node.children[tokens[pos]]
-            n = _common_len(child.key, tokens[pos:])
+        while pos < len(tokens) and self._child_key(tokens, pos) in node.children:
+            child = node.children[self._child_key(tokens, pos)]
+            n = _common_len(child.key, tokens[pos:], self.page_size)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
@@ -95,9 +111,9 @@ class RadixCache:
         if pos < len(tokens):
             leaf = TreeNode(next(self._uids), node)
             leaf.key = list(tokens[pos:])
-            leaf.value = slots[pos:].clone()
+            leaf.value = slots[pos:len(tokens)].clone()
             leaf.last_access = now
-            node.children[leaf.key[0]] = leaf
+            node.children[self._child_key(leaf.key, 0)] = leaf
             self.evictable_size += len(leaf.key)
         return pos
 
@@ -106,10 +122,10 @@ class RadixCache:
         mid = TreeNode(next(self._uids), child.parent)
         mid.key, mid.value = child.key[:n], child.value[:n]
         mid.lock_ref, mid.last_access = child.lock_ref, child.last_access
-        child.parent.children[mid.key[0]] = mid
+        child.parent.children[self._child_key(mid.key, 0)] = mid
         child.key, child.value = child.key[n:], child.value[n:]
         child.parent = mid
-        mid.children[child.key[0]] = child
+        mid.children[self._child_key(child.key, 0)] = child
         return mid
 
     def inc_lock_ref(self, node: TreeNode) -> None:
@@ -139,7 +155,7 @@ class RadixCache:
             freed += len(leaf.key)
             self.evictable_size -= len(leaf.key)
             parent = leaf.parent
-            del parent.children[leaf.key[0]]
+            del parent.children[self._child_key(leaf.key, 0)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
         return freed

@@ -93,8 +93,8 @@ class ModelRunner:
         self.num_slots = self._kv_slots(attn.num_kv_heads)
         self.context_len = min(self.context_len, self.num_slots - 1)
         self.kv_pool = KVPool(self.num_slots, model_cfg.num_layers, attn.num_kv_heads, model_cfg.head_dim,
-                              self.kv_dtype, device)
-        self.allocator = SlotAllocator(self.num_slots)
+                              self.kv_dtype, device, config.page_size)
+        self.allocator = SlotAllocator(self.num_slots, config.page_size)
         self.req_to_token = ReqToTokenPool(config.max_running_requests + 1, self.context_len + 1, device)
         # each request row's newest token, written by the sampler on the device: decode reads its inputs
         # here, so the next step can be launched before the previous one's tokens reach the host
@@ -119,6 +119,7 @@ class ModelRunner:
             t = torch.tensor([slots], dtype=torch.int64)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp.cpu_group)
             slots = int(t.item())
+        slots -= slots % self.config.page_size  # whole pages
         if slots < 2:
             raise ValueError(f"not enough memory for the KV cache ({slots} slots)")
         logger.info("KV cache: %d token slots, %.2f GiB, %s", slots, slots * per_token / (1 << 30),

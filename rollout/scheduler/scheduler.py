@@ -64,7 +64,7 @@ class Scheduler(WeightUpdateMixin):
         self.runner = ModelRunner(config, model_cfg, tp, device)
         self.allocator = self.runner.allocator
         self.req_pool = self.runner.req_to_token
-        self.tree = RadixCache(self.allocator.free, disabled=config.disable_radix_cache)
+        self.tree = RadixCache(self.allocator.free, disabled=config.disable_radix_cache, page_size=config.page_size)
         self.send_output = send_output
         self.reply = send_reply or (lambda reply: None)
         self.updater = WeightUpdater(self.runner.weight_map, tp, device, keep_copy=config.keep_weight_copy)
@@ -315,7 +315,7 @@ class Scheduler(WeightUpdateMixin):
             return 0
         self.tree.inc_lock_ref(node)
         chunk = min(len(fill) - len(prefix), budget, self.config.chunked_prefill_size)
-        if not self._ensure_slots(chunk + headroom):
+        if not self._ensure_slots(self.allocator.slots_needed(chunk, len(prefix)) + self._headroom(headroom)):
             self.tree.dec_lock_ref(node)
             return 0
         in_batch.insert(fill, torch.zeros(len(fill), dtype=torch.int64))
@@ -330,14 +330,22 @@ class Scheduler(WeightUpdateMixin):
 
     def _admit_chunk(self, req: Req, budget: int, headroom: int) -> int:
         chunk = min(req.seq_len - req.kv_len, budget, self.config.chunked_prefill_size)
-        if not self._ensure_slots(chunk + headroom):
+        if not self._ensure_slots(self.allocator.slots_needed(chunk, req.kv_len) + self._headroom(headroom)):
             return 0
         self._place_chunk(req, chunk)
         return chunk
 
     def _place_chunk(self, req: Req, n: int) -> None:
         """Take ``n`` slots (already ensured free) for the request's next ``n`` tokens."""
-        self.req_pool.write(req.pool_row, req.kv_len, self.allocator.alloc(n))
+        self.req_pool.write(req.pool_row, req.kv_len, self.allocator.alloc(n, req.kv_len, self._last_slot(req)))
+
+    def _last_slot(self, req: Req) -> int:
+        """The slot of the request's newest computed token (0 before its first)."""
+        return int(self.req_pool.cpu_table[req.pool_row, req.kv_len - 1]) if req.kv_len else 0
+
+    def _headroom(self, requests: int) -> int:
+        """Slots kept free for the next decode token of ``requests`` running requests (a page each)."""
+        return requests * self.config.page_size
 
     def _launch_extend(self, reqs: list[Req], lens: list[int]) -> LaunchedStep:
         """Launch the chunks; a request whose prompt (and earlier output) is now complete gets a token."""
@@ -356,10 +364,10 @@ class Scheduler(WeightUpdateMixin):
     def schedule_decode(self) -> LaunchedStep | None:
         """Launch one decode step over the running requests (after the step in flight, if any)."""
         reqs = self._decode_candidates()
-        if self.in_flight is not None and (not self._ensure_slots(len(reqs)) or self._needs_history(reqs)):
+        if self.in_flight is not None and (not self._ensure_slots(self._decode_slots(reqs)) or self._needs_history(reqs)):
             self.sync()
             reqs = self._decode_candidates()
-        while not self._ensure_slots(len(reqs)):  # nothing is in flight here
+        while not self._ensure_slots(self._decode_slots(reqs)):  # nothing is in flight here
             victim = self.running.pop()
             if not self.running:
                 self.release(victim)
@@ -369,12 +377,18 @@ class Scheduler(WeightUpdateMixin):
             reqs = self._decode_candidates()
         if not reqs:
             return None
-        slots = self.allocator.alloc(len(reqs))
+        slots = self.allocator.alloc_decode([r.kv_len for r in reqs], [self._last_slot(r) for r in reqs])
         rows, positions = [r.pool_row for r in reqs], [r.kv_len for r in reqs]
         self.req_pool.write_many(rows, positions, slots, device=False)  # the runner writes the device table
         inputs = StepInput(ForwardMode.DECODE, rows, None, positions, slots, [p + 1 for p in positions],
                            [1] * len(reqs))
         return self.launch(reqs, inputs, reqs)
+
+    def _decode_slots(self, reqs: list[Req]) -> int:
+        """Free-page slots a decode step over ``reqs`` takes (one token each)."""
+        if self.config.page_size == 1:
+            return len(reqs)
+        return sum(self.allocator.slots_needed(1, r.kv_len) for r in reqs)
 
     def _decode_candidates(self) -> list[Req]:
         """Running requests, less those that the step in flight ends by length (known without its tokens)."""
@@ -438,7 +452,8 @@ class Scheduler(WeightUpdateMixin):
         return self.allocator.available >= n
 
     def cache_prefix(self, req: Req) -> None:
-        """Hand a freshly prefilled request's KV to the radix tree so later requests can share it."""
+        """Hand a freshly prefilled request's KV to the radix tree so later requests can share it (its whole
+        pages: a last, partly filled page stays the request's own)."""
         if self.tree.disabled or req.tree is not self.tree:
             return
         tokens = req.fill_ids[:req.kv_len]
@@ -449,7 +464,7 @@ class Scheduler(WeightUpdateMixin):
         self.req_pool.write(req.pool_row, req.prefix_len, shared[req.prefix_len:already])
         self.tree.inc_lock_ref(node)
         self.tree.dec_lock_ref(req.last_node)
-        req.last_node, req.prefix_len = node, req.kv_len
+        req.last_node, req.prefix_len = node, len(shared)
 
     def release(self, req: Req) -> None:
         """Return a request's KV: computed tokens go to the radix tree (or are freed), its row is freed."""
@@ -467,6 +482,7 @@ class Scheduler(WeightUpdateMixin):
         else:
             already = self.tree.insert(req.fill_ids[:req.kv_len], slots)
             self.allocator.free(slots[req.prefix_len:already])
+            self.allocator.free(slots[req.kv_len - req.kv_len % self.config.page_size:])  # a last partial page
             self.tree.dec_lock_ref(req.last_node)
         self.req_pool.free(req.pool_row)
         req.pool_row, req.kv_len, req.prefix_len, req.last_node, req.tree = None, 0, 0, None, None

@@ -251,7 +251,8 @@ class WeightUpdateMixin:
         stale = self.tree  # running requests (paused in place) still hold entries: retire the whole tree
         stale.evict(stale.evictable_size)
         self.stale_trees.append(stale)
-        self.tree = RadixCache(self.allocator.free, disabled=self.config.disable_radix_cache)
+        self.tree = RadixCache(self.allocator.free, disabled=self.config.disable_radix_cache,
+                               page_size=self.config.page_size)
 
     def _transfer_failed(self, group_name: str, message: str) -> None:
         from weight_sync.group import destroy_process_group
