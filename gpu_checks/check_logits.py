@@ -77,13 +77,13 @@ def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
 
 
 def run_engine(path: str, tp: int, prompts: list[list[int]], new_tokens: int, device: str,
-               kv_cache_dtype: str = "auto", quantization: str | None = None) -> EngineRun:
+               kv_cache_dtype: str = "auto", quantization: str | None = None, **options) -> EngineRun:
     from rollout import Engine, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True, logprobs=TOP)
     t0 = time.time()
     with Engine(path, tp_size=tp, dtype="bfloat16", device=device, max_total_tokens=1 << 16,
-                skip_tokenizer_init=True, kv_cache_dtype=kv_cache_dtype, quantization=quantization) as engine:
+                skip_tokenizer_init=True, kv_cache_dtype=kv_cache_dtype, quantization=quantization, **options) as engine:
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     run = EngineRun(tp, [o.outputs[0].token_ids for o in outs], [o.outputs[0].token_logprobs for o in outs],
                     [[[(t, lp.logprob) for t, lp in d.items()] for d in o.outputs[0].logprobs] for o in outs],
@@ -164,6 +164,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cuda (the check), or cpu for a dry run of the script")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the engines' KV cache type (transformers keeps bf16 / float32 K and V)")
+    p.add_argument("--decode-attention-backend", default="auto", help="the engines' decode kernel")
+    p.add_argument("--page-size", type=int, default=1, help="the engines' KV page size (xqa: 16-128)")
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="the engines' online weight quantization (references quantize the same way)")
     p.add_argument("--fp32-reference", action=argparse.BooleanOptionalAction, default=True,
@@ -178,13 +180,15 @@ def main() -> int:
 
     path = _model_path(args)
     prompts = _prompts(ModelConfig.from_path(path).vocab_size, args.num_seqs, args.seed)
-    runs = [run_engine(path, int(tp), prompts, args.new_tokens, args.device, args.kv_cache_dtype, args.quantization)
+    runs = [run_engine(path, int(tp), prompts, args.new_tokens, args.device, args.kv_cache_dtype, args.quantization,
+                       decode_attention_backend=args.decode_attention_backend, page_size=args.page_size)
             for tp in args.tp_sizes.split(",")]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(args.device).eval()
     worst = 0.0
     where = (f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}" if args.device == "cuda" else "cpu")
     print(f"model {path}; {args.num_seqs} sequences, prompts 8-299 tokens, {args.new_tokens} greedy tokens each; "
-          f"{where}, torch {torch.__version__}, engine KV cache {args.kv_cache_dtype}, "
+          f"{where}, torch {torch.__version__}, engine KV cache {args.kv_cache_dtype}, decode attention "
+          f"{args.decode_attention_backend}, page size {args.page_size}, "
           f"weights {args.quantization or 'bf16'}")
     if args.quantization:  # the cost of the format; the references below quantize as the engines do
         for run in runs:

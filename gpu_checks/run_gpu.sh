@@ -12,6 +12,8 @@
 #   bash gpu_checks/run_gpu.sh decode-sweep  # Triton decode attention's launch settings vs FlashInfer
 #   bash gpu_checks/run_gpu.sh 8b-fp8    # Llama-3.1-8B shape with an fp8 KV cache: the bench
 #   bash gpu_checks/run_gpu.sh 8b-logits-fp8  # ... and its teacher-forced logits vs transformers
+#   bash gpu_checks/run_gpu.sh 8b-xqa    # Llama-3.1-8B shape, fp8 KV in 16-token pages, XQA decode: the bench
+#   bash gpu_checks/run_gpu.sh 8b-logits-xqa  # ... and its teacher-forced logits vs transformers
 #   bash gpu_checks/run_gpu.sh fp8-gemm  # fp8 W8A8: tests, the CUDA engine vs fp8 transformers, GEMM sweep vs bf16
 #   bash gpu_checks/run_gpu.sh 8b-w8a8   # Llama-3.1-8B shape, --quantization fp8 with fp8 KV: the bench
 #   bash gpu_checks/run_gpu.sh 8b-w8a8-bf16kv  # ... with the bf16 KV cache
@@ -60,6 +62,13 @@ case "${1:?stage}" in
   8b-fp8)
     step bench-8b-fp8 400 python -m rollout.bench --preset llama-3.1-8b --num-prompts 256 --input-len 1000 \
       --output-len 1000 --batch1-steps 64 --kv-cache-dtype fp8_e4m3 --json "$out/bench-llama-3.1-8b-fp8.json" ;;
+  8b-xqa)
+    step bench-8b-xqa 480 python -m rollout.bench --preset llama-3.1-8b --num-prompts 256 --input-len 1000 \
+      --output-len 1000 --batch1-steps 64 --kv-cache-dtype fp8_e4m3 --decode-attention-backend xqa --page-size 16 \
+      --json "$out/bench-llama-3.1-8b-xqa.json" ;;
+  8b-logits-xqa)
+    step logits-8b-xqa 400 python gpu_checks/check_logits.py --preset llama-3.1-8b --num-seqs 32 --tp-sizes 1 \
+      --kv-cache-dtype fp8_e4m3 --decode-attention-backend xqa --page-size 16 ;;
   fp8-gemm)
     step quantization 300 python -m pytest -q -p no:cacheprovider tests/test_quantization.py
     step fp8-engine 300 python gpu_checks/check_fp8_engine.py

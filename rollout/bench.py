@@ -378,7 +378,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine keyword options from the flags; presets skip the tokenizer (no detokenizer process)."""
     opts: dict[str, Any] = {"seed": args.seed, "skip_tokenizer_init": bool(args.preset)}
     for name in ("max_running_requests", "mem_fraction_static", "attention_backend", "decode_attention_backend",
-                 "kv_cache_dtype", "quantization"):
+                 "kv_cache_dtype", "quantization", "page_size"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     return opts
@@ -535,6 +535,7 @@ def build_report(args: argparse.Namespace, model_path: str, device: str, dtype: 
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "model": model_path, "preset": args.preset, "device": device, "device_name": _device_name(device),
         "dtype": dtype, "kv_cache_dtype": args.kv_cache_dtype or "auto", "quantization": args.quantization,
+        "page_size": args.page_size or 1,
         "tp_size": args.tp_size,
         "decode_attention_backend": args.decode_attention_backend or "auto",
         "workload": workload,
@@ -559,7 +560,8 @@ def format_report(r: dict[str, Any]) -> str:
             else f"input {w['input_len']}, output {w['output_len']} tokens")
     lines = [f"model {r['model']} | {r['device_name']} | {r['dtype']} | weights {r.get('quantization') or r['dtype']} | "
              f"KV {r.get('kv_cache_dtype', 'auto')} | "
-             f"tp {r['tp_size']} | decode attention {r.get('decode_attention_backend', 'auto')}",
+             f"tp {r['tp_size']} | decode attention {r.get('decode_attention_backend', 'auto')} | "
+             f"page size {r.get('page_size', 1)}",
              f"workload: {w['num_prompts']} prompts, {lens}, temperature {w['temperature']}, seed {w['seed']}",
              f"{'':<22}{'engine':>14}{'hf generate':>14}"]
     e, h = r["engine"], r["hf"] or {}
@@ -618,6 +620,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="decode kernel under the flashinfer backend (default auto: triton)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                    help="KV cache storage type (default auto: the model dtype); fp8 halves the KV bytes")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="KV slots per page (default 1; --decode-attention-backend xqa needs 16, 32, 64 or 128)")
     p.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
                    help="online weight quantization (fp8: W8A8 projections; default none: the model dtype)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,

@@ -257,3 +257,42 @@ def test_batches_longer_than_one_scan_step():
     table = random_table(b + 9, 64, seed=19)
     check(table, rows, seq_lens)
     check_prepare(table, decode_step(rows, seq_lens), b + 30)
+
+
+def check_prepare_paged(table: torch.Tensor, step: StepInput, padded: int, page: int, spare: int = 2) -> None:
+    """With a page table: the same table and buffer writes as without; ``page_table[i, j]`` = the slot of
+    position j * page of padded row i, divided by page, for the row's pages only; ``indices`` untouched."""
+    last = torch.arange(1000, 1000 + table.shape[0], dtype=torch.int64, device=DEVICE)
+    ref_table, ref_bufs, ref_indptr, _ = prepare_reference(table, last, step, padded)
+    total = sum(step.seq_lens) + padded - len(step.rows)
+    width = -(-max(step.seq_lens) // page) + spare
+    pages = torch.full((padded + spare, width), SENTINEL, dtype=torch.int32, device=DEVICE)
+    bufs = sentinel_buffers(padded)
+    indptr = torch.full((padded + 1,), SENTINEL, dtype=torch.int32, device=DEVICE)
+    indices = torch.full((8,), SENTINEL, dtype=torch.int32, device=DEVICE)
+    view = prepare_decode(step.decode_pack().to(DEVICE), last, table, bufs, indptr, indices, padded, total,
+                          page_table=pages, page_size=page)
+    assert view.shape == (padded, width) and view.data_ptr() == pages.data_ptr()
+    assert torch.equal(table.cpu(), ref_table)
+    for got, want in zip(bufs.tensors(), ref_bufs):
+        assert torch.equal(got.cpu(), want)
+    assert torch.equal(indptr.cpu(), ref_indptr)
+    assert (indices.cpu() == SENTINEL).all()
+    want = torch.full((padded + spare, width), SENTINEL, dtype=torch.int32)
+    rows, lens = ref_bufs[3], ref_bufs[4]
+    for i in range(padded):
+        n = -(-int(lens[i]) // page)
+        want[i, :n] = ref_table[rows[i], 0:n * page:page] // page
+    assert torch.equal(pages.cpu(), want)
+
+
+@pytest.mark.parametrize("page", [4, 16])
+def test_prepare_writes_the_page_table(page):
+    # new tokens on a page's first position (seq len k * page + 1), its last, and inside it
+    seq_lens = [page + 1, 2 * page, 3 * page + 5, 1, 5 * page + 1]
+    check_prepare_paged(random_table(12, 6 * page, seed=20), decode_step([3, 0, 7, 11, 5], seq_lens), 8, page)
+
+
+def test_prepare_page_table_loops_past_its_chunk_programs():
+    seq_lens = [2, 4 * CHUNK * 4 + 9, 3]
+    check_prepare_paged(random_table(6, 4 * CHUNK * 4 + 16, seed=21), decode_step([4, 1, 5], seq_lens), 4, 4)

@@ -1,5 +1,6 @@
-"""GPU paged attention over page-size-1 KV: FlashInfer for prefill/extend (prefix hits, chunks), and for
-decode either FlashInfer or the Triton split-KV kernel (``rollout.attention.triton_decode``).
+"""GPU paged attention: FlashInfer for prefill/extend (prefix hits, chunks), and for decode FlashInfer, the
+Triton split-KV kernel (``rollout.attention.triton_decode``) or FlashInfer's XQA kernel (KV pages of
+16-128 tokens, ``EngineConfig.page_size``).
 
 Each forward is planned once (``init_forward_metadata``); every layer then runs the planned kernel
 over its own K/V buffers, viewed as ``[num_slots + 1, 1, num_kv_heads, head_dim]`` (NHD, page size 1).
@@ -63,6 +64,16 @@ class RaggedPrefill:
 
 
 @dataclass
+class XqaDecodeMetadata:
+    """What XQA needs per forward: ``page_table`` int32 [B, W] (the KV pages of each request, in order),
+    ``seq_lens`` int32 [B] on the device (read as uint32), ``max_seq_len`` = W * page size."""
+
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    max_seq_len: int
+
+
+@dataclass
 class TritonDecodeMetadata:
     """What the Triton decode kernel needs per forward: device ``kv_indptr`` [B + 1], ``kv_indices``
     (int32 slots) and the number of KV splits (fixed per batch size)."""
@@ -78,10 +89,13 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, scaling: float, dtype: torch.dtype,
                  device: torch.device, max_kv_indices: int, kv_dtype: torch.dtype | None = None,
-                 decode_backend: str = "auto", max_batch_size: int = 1024) -> None:
+                 decode_backend: str = "auto", max_batch_size: int = 1024, page_size: int = 1,
+                 max_context_len: int = 0) -> None:
         """``dtype`` is q's and the output's; ``kv_dtype`` the KV pool's (default ``dtype``);
         ``decode_backend`` one of ``DECODE_ATTENTION_BACKENDS`` ("auto": triton), for decode steps only;
         prefill is always FlashInfer; ``max_batch_size`` bounds a decode batch (the running requests).
+        XQA decode reads the pool as pages of ``page_size`` tokens (``KVPool.paged``), a request's page
+        list up to ``max_context_len`` tokens long.
 
         Float8 pools (unit scale): FlashInfer widens K/V to the query's type inside the kernel; to float16
         that is one instruction, to bf16 it is not (H200, batch 256 x 1,500 tokens, one layer: 0.35 ms with
@@ -99,6 +113,15 @@ class FlashInferBackend(AttentionBackend):
         if decode_backend not in DECODE_ATTENTION_BACKENDS:
             raise ValueError(f"unknown decode backend {decode_backend!r}")
         self.decode_backend = "triton" if decode_backend == "auto" else decode_backend
+        self.page_size = page_size
+        if self.decode_backend == "xqa":
+            from flashinfer.xqa import xqa
+
+            self.xqa = xqa
+            # semaphores (first 8 MiB, zero before first use, as XQA leaves them) and scratch for its split merge
+            self.xqa_workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            self.page_table = torch.zeros((max_batch_size, -(-max(max_context_len, 1) // page_size)),
+                                          dtype=torch.int32, device=device)
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
@@ -120,7 +143,7 @@ class FlashInferBackend(AttentionBackend):
         at ``batch_size``."""
         indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device)
         last = torch.ones(batch_size, dtype=torch.int32, device=self.device)
-        if self.decode_backend == "triton":
+        if self.decode_backend in ("triton", "xqa"):
             return DecodeGraphState(batch_size, None, indptr, last)
         wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
@@ -130,6 +153,9 @@ class FlashInferBackend(AttentionBackend):
     def init_forward_metadata(self, batch: "ForwardBatch", graph: DecodeGraphState | None = None) -> None:
         if batch.mode == ForwardMode.DECODE and self.decode_backend == "triton":
             batch.attn_metadata = self._triton_decode_metadata(batch, graph)
+            return
+        if batch.mode == ForwardMode.DECODE and self.decode_backend == "xqa":
+            batch.attn_metadata = self._xqa_metadata(batch)
             return
         seq_lens = batch.seq_lens_cpu
         if self.ragged is not None and batch.mode != ForwardMode.DECODE and list(batch.extend_lens) == list(seq_lens):
@@ -186,22 +212,43 @@ class FlashInferBackend(AttentionBackend):
                                    self.kv_indices_buf, sum(batch.seq_lens_cpu))
         return self._triton_metadata(indptr, indices, b)
 
+    def _xqa_metadata(self, batch: "ForwardBatch") -> XqaDecodeMetadata:
+        """The page lists of an eager decode batch, by torch ops on the device table (no host wait)."""
+        p = self.page_size
+        b = len(batch.seq_lens_cpu)
+        width = self.page_table.shape[1]
+        table = self.page_table[:b] if b <= self.page_table.shape[0] else torch.empty(
+            (b, width), dtype=torch.int32, device=self.device)
+        firsts = batch.req_to_token[batch.req_pool_indices][:, ::p]
+        table[:, :firsts.shape[1]].copy_(torch.div(firsts, p, rounding_mode="floor"))
+        return XqaDecodeMetadata(table, batch.seq_lens.to(torch.int32), width * p)
+
+    @property
+    def prepares_graph_inputs(self) -> bool:
+        """Whether ``prepare_graph_decode`` fills a graph replay's inputs (Triton and XQA decode)."""
+        return self.decode_backend in ("triton", "xqa")
+
     def prepare_graph_decode(self, batch: "ForwardBatch", graph: DecodeGraphState, packed: torch.Tensor,
                              last_token_ids: torch.Tensor) -> None:
-        """Everything a Triton-decode CUDA-graph replay needs, in one kernel launch (``prepare_decode``) and
-        no host wait; sets ``batch.attn_metadata``.
+        """Everything a Triton- or XQA-decode CUDA-graph replay needs, in one kernel launch (``prepare_decode``)
+        and no host wait; sets ``batch.attn_metadata``.
 
         ``batch``: the graph's decode batch at its padded size P = ``len(batch.seq_lens_cpu)`` (host seq
         lens: the real ones, then 1 per padding row), its tensors the graph's static buffers; ``packed``:
         int64 [4, B] on the device, B <= P (``StepInput.decode_pack``). Writes the B out slots into
         ``batch.req_to_token``, ``input_ids`` (gathered from ``last_token_ids``), ``positions``,
         ``out_cache_loc``, ``req_pool_indices`` and ``seq_lens`` of rows [0, P) (padding: zeros, seq len
-        1), ``graph.indptr`` and ``kv_indices_buf``."""
-        if self.decode_backend != "triton":
-            raise ValueError("prepare_graph_decode is for the Triton decode backend")
+        1), ``graph.indptr`` and ``kv_indices_buf`` (XQA: the page table instead of the indices)."""
+        if not self.prepares_graph_inputs:
+            raise ValueError("prepare_graph_decode is for the Triton and XQA decode backends")
         bs = len(batch.seq_lens_cpu)
         out = DecodeBuffers(batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices,
                             batch.seq_lens)
+        if self.decode_backend == "xqa":
+            table = prepare_decode(packed, last_token_ids, batch.req_to_token, out, graph.indptr, self.kv_indices_buf,
+                                   bs, sum(batch.seq_lens_cpu), page_table=self.page_table, page_size=self.page_size)
+            batch.attn_metadata = XqaDecodeMetadata(table, batch.seq_lens, table.shape[1] * self.page_size)
+            return
         indices = prepare_decode(packed, last_token_ids, batch.req_to_token, out, graph.indptr, self.kv_indices_buf,
                                  bs, sum(batch.seq_lens_cpu))
         batch.attn_metadata = self._triton_metadata(graph.indptr, indices, bs)
@@ -221,12 +268,29 @@ class FlashInferBackend(AttentionBackend):
                 raise ValueError("a ragged prefill needs the new tokens' k and v (see wants_fresh_kv)")
             return meta.wrapper.run(q.contiguous(), k, v)
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
+        if isinstance(meta, XqaDecodeMetadata):
+            return self._xqa_decode(q, pool.paged(k_buf), pool.paged(v_buf), meta)
         if isinstance(meta, TritonDecodeMetadata):  # rounds q to its compute type and writes self.dtype itself
             out = torch.empty(q.shape, dtype=self.dtype, device=q.device)
             return decode_attention(q.contiguous(), k_buf, v_buf, meta.kv_indptr, meta.kv_indices, self.scaling,
                                     meta.num_splits, out=out, counters=self.split_counters)
         out = meta.run(q.to(self.q_dtype).contiguous(), (k_buf.unsqueeze(1), v_buf.unsqueeze(1)))
         return out if out.dtype == self.dtype else out.to(self.dtype)
+
+
+    def _xqa_decode(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                    meta: XqaDecodeMetadata) -> torch.Tensor:
+        """XQA over NHD pages. With a float8 pool on Hopper it runs TensorRT-LLM's float8 kernel, which
+        rounds q (scaled by ``scaling * sqrt(head_dim)``, here 1 for the standard scale) and the softmax
+        weights to float8 e4m3 for float8 tensor-core products; 16-bit pools run its 16-bit kernel."""
+        q = q.contiguous()
+        out = torch.empty(q.shape, dtype=self.dtype, device=q.device)
+        sem, scratch = self.xqa_workspace[:8 << 20], self.xqa_workspace[8 << 20:]
+        self.xqa(q.to(self.dtype).unsqueeze(1), k_pages, v_pages, meta.page_table, meta.seq_lens.unsqueeze(1),
+                 out.unsqueeze(1), scratch, sem, self.num_kv_heads, self.page_size,
+                 q_scale=self.scaling * self.head_dim ** 0.5, kv_scale=1.0, kv_layout="NHD", sm_count=self.num_sms,
+                 enable_pdl=True)
+        return out
 
 
 def _indptr(lengths: list[int]) -> torch.Tensor:

@@ -126,8 +126,8 @@ class DecodeBuffers:
 
 @triton.jit(do_not_specialize=["batch"])
 def _prepare_decode_kernel(packed, batch, last_token_ids, req_to_token, t_sr, t_sc, input_ids, positions,
-                           out_cache_loc, rows_out, seq_lens_out, indptr, indices, capacity,
-                           SCAN: tl.constexpr, CHUNK: tl.constexpr):
+                           out_cache_loc, rows_out, seq_lens_out, indptr, indices, capacity, pages, p_sr,
+                           SCAN: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr):
     i = tl.program_id(0)
     c = tl.program_id(1)
     start = _start_of(packed + 3 * batch, i, batch, 1, SCAN)  # padding rows: 1 token
@@ -147,21 +147,33 @@ def _prepare_decode_kernel(packed, batch, last_token_ids, req_to_token, t_sr, t_
         tl.store(indptr + i + 1, start + n)
         if i == 0:
             tl.store(indptr, start)  # zero, in indptr's own type
-    dst = indices + start
     t = tl.arange(0, CHUNK)
     hole = tl.where(real, pos, -1)  # the position whose slot this launch writes (none for padding rows)
-    for t0 in tl.range(c * CHUNK, n, tl.num_programs(1) * CHUNK):
-        p = t0 + t
-        ok = (p < n) & (start + p < capacity)
-        from_table = ok & (p != hole)  # not the slot this launch writes: the input has it
-        slots = tl.load(src + p.to(tl.int64) * t_sc, mask=from_table)
-        tl.store(dst + p, tl.where(from_table, slots.to(tl.int32), slot.to(tl.int32)), mask=ok)
+    if PAGE == 1:
+        dst = indices + start
+        for t0 in tl.range(c * CHUNK, n, tl.num_programs(1) * CHUNK):
+            p = t0 + t
+            ok = (p < n) & (start + p < capacity)
+            from_table = ok & (p != hole)  # not the slot this launch writes: the input has it
+            slots = tl.load(src + p.to(tl.int64) * t_sc, mask=from_table)
+            tl.store(dst + p, tl.where(from_table, slots.to(tl.int32), slot.to(tl.int32)), mask=ok)
+    else:  # the page of each PAGE-th position
+        num_pages = tl.cdiv(n, PAGE)
+        for j0 in tl.range(c * CHUNK, num_pages, tl.num_programs(1) * CHUNK):
+            j = j0 + t
+            ok = j < num_pages
+            p = j * PAGE
+            from_table = ok & (p != hole)
+            slots = tl.load(src + p.to(tl.int64) * t_sc, mask=from_table)
+            first = tl.where(from_table, slots.to(tl.int32), slot.to(tl.int32))
+            tl.store(pages + i * p_sr + j, first // PAGE, mask=ok)
 
 
 def prepare_decode(packed: torch.Tensor, last_token_ids: torch.Tensor, req_to_token: torch.Tensor,
                    out: DecodeBuffers, indptr: torch.Tensor, indices: torch.Tensor, padded: int,
-                   total: int) -> torch.Tensor:
-    """One launch, no host sync, every output written in place; returns ``indices[:total]``.
+                   total: int, page_table: torch.Tensor | None = None, page_size: int = 1) -> torch.Tensor:
+    """One launch, no host sync, every output written in place; returns ``indices[:total]`` (with
+    ``page_table``: ``page_table[:padded]``).
 
     ``packed``: contiguous int64 [4, B] on the device, its rows the B requests' ``rows`` (distinct),
     ``positions``, ``out_slots`` and ``seq_lens`` (``StepInput.decode_pack`` builds it on the host);
@@ -178,6 +190,10 @@ def prepare_decode(packed: torch.Tensor, last_token_ids: torch.Tensor, req_to_to
       is the table as it was before this launch; a padding row's one entry is ``req_to_token[0, 0]``
       (which a decode step never writes: position 0 is a prompt token). Later entries untouched; writes
       past ``indices``'s end are dropped.
+    - with ``page_table`` (int32 [>= padded, W], stride 1 along W; ``page_size`` > 1) instead of ``indices``:
+      ``page_table[i, j] = slot(i, j * page_size) // page_size`` for j < cdiv(seq_lens[i], page_size), the
+      slot read as for ``indices`` (XQA's page list over the KV pages of ``SlotAllocator``); its other
+      entries and ``indices`` untouched.
 
     ``req_to_token``: int32 [num_rows, max_ctx], any strides; ``last_token_ids``: [num_rows] integer;
     ``indptr`` and ``indices``: int32, stride 1. ``total`` = the host's sum of the padded seq lens
@@ -189,12 +205,17 @@ def prepare_decode(packed: torch.Tensor, last_token_ids: torch.Tensor, req_to_to
         raise ValueError(f"{b} rows padded to {padded}: buffers too short")
     if any(t.stride(0) != 1 for t in (indptr, indices, last_token_ids, *out.tensors())):
         raise ValueError("indptr, indices, last_token_ids and the decode buffers need stride 1")
-    _check_index_outputs(req_to_token, indptr, indices, total)
+    paged = page_table is not None
+    _check_index_outputs(req_to_token, indptr, indices, 0 if paged else total)  # paged: indices unused
+    if paged and (page_table.dtype != torch.int32 or page_table.stride(1) != 1 or page_table.shape[0] < padded
+                  or page_size < 2):
+        raise ValueError("page_table must be int32 [>= padded, W] with stride 1 along W, and page_size > 1")
     if padded == 0:
         indptr[:1].zero_()
-        return indices[:0]
-    grid = (padded, chunk_programs(padded, total))
+        return page_table[:0] if paged else indices[:0]
+    grid = (padded, chunk_programs(padded, triton.cdiv(total, page_size) if paged else total))
     _prepare_decode_kernel[grid](packed, b, last_token_ids, req_to_token, req_to_token.stride(0),
                                  req_to_token.stride(1), *out.tensors(), indptr, indices, indices.numel(),
-                                 SCAN=SCAN, CHUNK=CHUNK, num_warps=4)
-    return indices[:total]
+                                 page_table if paged else indices, page_table.stride(0) if paged else 0,
+                                 SCAN=SCAN, CHUNK=CHUNK, PAGE=page_size if paged else 1, num_warps=4)
+    return page_table[:padded] if paged else indices[:total]

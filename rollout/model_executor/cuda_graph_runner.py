@@ -82,12 +82,12 @@ class CudaGraphRunner:
     def replay(self, step: "StepInput", packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab] for a decode step of B <= max batch size; ``packed`` is ``step.decode_pack()``
         already on the device. Also writes the step's out slots into the device request table. With
-        Triton decode everything before the replay is one kernel (``FlashInferBackend.prepare_graph_decode``);
+        Triton or XQA decode everything before the replay is one kernel (``FlashInferBackend.prepare_graph_decode``);
         with FlashInfer decode, copies into the static buffers and a plan. Nothing waits for the GPU."""
         b = len(step.rows)
         bs = self._padded(b)
         batch = self._batch(bs, list(step.seq_lens) + [1] * (bs - b))
-        if self.backend.decode_backend == "triton":
+        if self.backend.prepares_graph_inputs:
             self.backend.prepare_graph_decode(batch, self.states[bs], packed, last_token_ids)
         else:
             self._copy_inputs(b, bs, packed, last_token_ids)

@@ -144,7 +144,8 @@ class ModelRunner:
             return FlashInferBackend(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling, self.dtype,
                                      self.device, max_indices, kv_dtype=self.kv_dtype,
                                      decode_backend=self.config.decode_attention_backend,
-                                     max_batch_size=self.config.max_running_requests)
+                                     max_batch_size=self.config.max_running_requests,
+                                     page_size=self.config.page_size, max_context_len=self.context_len + 1)
         raise ValueError(f"attention backend {name!r} is not available")
 
     def _graph_runner(self):

@@ -28,6 +28,7 @@ _ENGINE_OPTIONS = {
     "log_interval": "log_interval_s",
     "kv_cache_dtype": "kv_cache_dtype",
     "quantization": "quantization",
+    "page_size": "page_size",
 }
 
 
@@ -58,6 +59,7 @@ class ServerArgs:
     load_format: str | None = None
     kv_cache_dtype: str | None = None
     quantization: str | None = None
+    page_size: int | None = None
     disable_radix_cache: bool = False
     keep_weight_copy: bool = False
     log_level: str = "info"
@@ -142,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache storage type (default auto: the model dtype)")
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="online weight quantization (fp8: W8A8 projections, quantized as weights load)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="KV slots per page (default 1; decode backend xqa needs 16, 32, 64 or 128)")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--keep-weight-copy", action="store_true", help="enable /rollback_weights")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
