@@ -166,6 +166,7 @@ def main() -> int:
                    help="the engines' KV cache type (transformers keeps bf16 / float32 K and V)")
     p.add_argument("--decode-attention-backend", default="auto", help="the engines' decode kernel")
     p.add_argument("--page-size", type=int, default=1, help="the engines' KV page size (xqa: 16-128)")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="the engines decode without CUDA graphs")
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="the engines' online weight quantization (references quantize the same way)")
     p.add_argument("--fp32-reference", action=argparse.BooleanOptionalAction, default=True,
@@ -181,7 +182,8 @@ def main() -> int:
     path = _model_path(args)
     prompts = _prompts(ModelConfig.from_path(path).vocab_size, args.num_seqs, args.seed)
     runs = [run_engine(path, int(tp), prompts, args.new_tokens, args.device, args.kv_cache_dtype, args.quantization,
-                       decode_attention_backend=args.decode_attention_backend, page_size=args.page_size)
+                       decode_attention_backend=args.decode_attention_backend, page_size=args.page_size,
+                       disable_cuda_graph=args.disable_cuda_graph)
             for tp in args.tp_sizes.split(",")]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(args.device).eval()
     worst = 0.0

@@ -219,7 +219,7 @@ class FlashInferBackend(AttentionBackend):
         width = self.page_table.shape[1]
         table = self.page_table[:b] if b <= self.page_table.shape[0] else torch.empty(
             (b, width), dtype=torch.int32, device=self.device)
-        firsts = batch.req_to_token[batch.req_pool_indices][:, ::p]
+        firsts = batch.req_to_token[:, ::p][batch.req_pool_indices]  # [B, W]: each page's first slot
         table[:, :firsts.shape[1]].copy_(torch.div(firsts, p, rounding_mode="floor"))
         return XqaDecodeMetadata(table, batch.seq_lens.to(torch.int32), width * p)
 
