@@ -33,24 +33,26 @@ def build(args: argparse.Namespace):
         with open(f"{path}/config.json", "w") as f:
             json.dump(preset_config(args.preset), f)
     cfg = ModelConfig.from_path(path)
-    slots = args.batch * (args.context + args.steps + 64) + 16
+    page = args.page_size
+    slots = -(-(args.batch * (args.context + args.steps + 64 + page) + 16) // page) * page
     config = EngineConfig(path, dtype="bfloat16", device=args.device, load_format="dummy", max_total_tokens=slots,
                           max_running_requests=max(args.batch, 1), disable_cuda_graph=args.no_graph,
-                          kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+                          kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, page_size=page,
+                          decode_attention_backend=args.decode_attention_backend)
     runner = ModelRunner(config, cfg, TPGroup(), torch.device(args.device))
     kv_bytes = kv_cache_torch_dtype(args.kv_cache_dtype, torch.bfloat16).itemsize
     return runner, cfg, model_bytes(cfg, 1, 2, kv_bytes, quantization=args.quantization)
 
 
-def decode_input(runner, batch: int, context: int, step: int, per_row: int):
-    """Step ``step`` of B requests that each hold ``context`` tokens (rows 0..B-1, ``per_row`` slots per row,
-    ``context + step < per_row``)."""
+def decode_input(runner, batch: int, context: int, step: int, per_row: int, base: int = 1):
+    """Step ``step`` of B requests that each hold ``context`` tokens (rows 0..B-1, ``per_row`` slots per row
+    from slot ``base``, ``context + step < per_row``; both multiples of the page size)."""
     from rollout.model_executor.forward_batch import ForwardMode
     from rollout.model_executor.model_runner import StepInput
 
     rows = list(range(batch))
     pos = [context + step] * batch
-    slots = torch.tensor([1 + r * per_row + context + step for r in rows], dtype=torch.int64)
+    slots = torch.tensor([base + r * per_row + context + step for r in rows], dtype=torch.int64)
     runner.req_to_token.write_many(rows, pos, slots, device=False)  # as the scheduler: the runner writes the device
     return StepInput(ForwardMode.DECODE, rows, None, pos, slots, [p + 1 for p in pos], [1] * batch)
 
@@ -84,17 +86,20 @@ def main() -> None:
     p.add_argument("--prefill", action="store_true", help="profile a prefill of B x L fresh tokens instead")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS)
+    p.add_argument("--decode-attention-backend", default="auto")
+    p.add_argument("--page-size", type=int, default=1)
     args = p.parse_args()
     from rollout.layers.sampler import SamplingRow
     from rollout.sampling_params import SamplingParams
 
     runner, cfg, mb = build(args)
     b, ctx = args.batch, args.context
-    per_row = ctx + 64 + args.steps
+    page = args.page_size
+    per_row = -(-(ctx + 64 + args.steps) // page) * page  # whole pages per row, from page 1 (slot ``page``)
     for r in range(b):  # every row's first ctx tokens: random KV in consecutive slots
-        runner.req_to_token.write(r, 0, torch.arange(1 + r * per_row, 1 + r * per_row + ctx))
+        runner.req_to_token.write(r, 0, torch.arange(page + r * per_row, page + r * per_row + ctx))
     for buf in runner.kv_pool.k_buffers + runner.kv_pool.v_buffers:  # via float32: float8 has no normal_
-        buf[:b * per_row + 1].copy_(torch.randn(buf[:b * per_row + 1].shape, device=buf.device))
+        buf[:b * per_row + page].copy_(torch.randn(buf[:b * per_row + page].shape, device=buf.device))
     runner.last_token_ids.random_(3, cfg.vocab_size - 1)
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, logprobs=0)
     info = runner.sampling_info([SamplingRow(params, seed=i, output_len=0, prompt_token_ids=[], output_token_ids=[],
@@ -104,7 +109,7 @@ def main() -> None:
     def launch(step: int):
         if args.prefill:
             return runner.run_step(prefill_input(runner, b, ctx, cfg.vocab_size), list(range(b)), info)
-        return runner.run_step(decode_input(runner, b, ctx, step, per_row), list(range(b)), info)
+        return runner.run_step(decode_input(runner, b, ctx, step, per_row, page), list(range(b)), info)
 
     def one(step: int) -> None:
         launch(step).wait()
