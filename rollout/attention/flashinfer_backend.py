@@ -3,7 +3,8 @@ Triton split-KV kernel (``rollout.attention.triton_decode``) or FlashInfer's XQA
 16-128 tokens, ``EngineConfig.page_size``).
 
 Each forward is planned once (``init_forward_metadata``); every layer then runs the planned kernel
-over its own K/V buffers, viewed as ``[num_slots + 1, 1, num_kv_heads, head_dim]`` (NHD, page size 1).
+over its own K/V buffers, viewed as ``[rows, 1, num_kv_heads, head_dim]`` (NHD, one slot per FlashInfer
+page, whatever the engine's page size), or by XQA as ``KVPool.paged`` pages.
 For CUDA graphs, ``DecodeGraphState`` holds a decode wrapper or Triton metadata with fixed buffers per
 batch size.
 """
