@@ -87,9 +87,9 @@ class SlotAllocator:
         pages = self._take(-(-(n - in_page) // p))
         if pages is None:
             return None
-        head = torch.arange(last_slot + 1, last_slot + 1 + in_page, dtype=torch.int64)
         if p == 1:
-            return torch.cat([head, pages]) if in_page else pages
+            return pages
+        head = torch.arange(last_slot + 1, last_slot + 1 + in_page, dtype=torch.int64)
         body = (pages[:, None] * p + torch.arange(p)).reshape(-1)[:n - in_page]
         return torch.cat([head, body])
 
@@ -122,10 +122,8 @@ class SlotAllocator:
     def free(self, slots: torch.Tensor) -> None:
         if not slots.numel():
             return
-        pages = slots.to(torch.int64).cpu()
-        if self.page_size > 1:
-            pages = torch.unique(pages // self.page_size)
-        if bool(self._is_free[pages].any()) or pages.numel() != torch.unique(pages).numel():
+        pages = torch.unique(slots.to(torch.int64).cpu() // self.page_size)  # the pages the slots touch
+        if (self.page_size == 1 and pages.numel() != slots.numel()) or bool(self._is_free[pages].any()):
             raise RuntimeError("a KV page was freed twice")
         self._is_free[pages] = True
         self._free.append(pages)
