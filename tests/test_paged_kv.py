@@ -14,7 +14,7 @@ from rollout import SamplingParams
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
 from rollout.io_struct import GenerateReq
-from rollout.mem_cache.kv_pool import SlotAllocator
+from rollout.mem_cache.kv_pool import ReqToTokenPool, SlotAllocator
 from rollout.mem_cache.radix_cache import RadixCache
 from rollout.scheduler.scheduler import Scheduler
 
@@ -26,7 +26,7 @@ def test_allocator_fills_the_last_page_then_takes_whole_pages():
     assert first.tolist() == [4, 5, 6, 7, 8, 9] and a.available == 24
     more = a.alloc(3, kv_len=6, last_slot=int(first[-1]))
     assert more.tolist() == [10, 11, 12] and a.available == 20
-    dec = a.alloc_decode([9, 8], [12, 20])  # 9: the page holding slot 12 has room; 8: a full page, a new one
+    dec = a.alloc_decode([9, 8], torch.tensor([12, 20]))  # 9: the page holding slot 12 has room; 8: a full page, a new one
     assert dec.tolist() == [13, 16] and a.available == 16
     a.free(torch.cat([first, more, dec[:1]]))  # pages 1, 2, 3
     assert a.available == 28
@@ -38,9 +38,16 @@ def test_allocator_fills_the_last_page_then_takes_whole_pages():
 def test_page_size_one_is_plain_slots():
     a = SlotAllocator(8)
     assert a.alloc(3).tolist() == [1, 2, 3]
-    assert a.alloc_decode([5, 9], [1, 2]).tolist() == [4, 5]
+    assert a.alloc_decode([5, 9], torch.tensor([1, 2])).tolist() == [4, 5]
     a.free(torch.tensor([2, 4]))
     assert a.available == 5
+
+
+def test_last_slots_reads_each_rows_newest_slot_in_one_gather():
+    pool = ReqToTokenPool(4, 8, "cpu")
+    pool.write(1, 0, torch.tensor([7, 8, 9]))
+    pool.write(3, 0, torch.tensor([20, 21]))
+    assert pool.last_slots([1, 3, 2], [3, 1, 0]).tolist() == [9, 20, 0]
 
 
 def test_radix_cache_shares_whole_pages_only():

@@ -216,13 +216,10 @@ class FlashInferBackend(AttentionBackend):
     def _xqa_metadata(self, batch: "ForwardBatch") -> XqaDecodeMetadata:
         """The page lists of an eager decode batch, by torch ops on the device table (no host wait)."""
         p = self.page_size
-        b = len(batch.seq_lens_cpu)
-        width = self.page_table.shape[1]
-        table = self.page_table[:b] if b <= self.page_table.shape[0] else torch.empty(
-            (b, width), dtype=torch.int32, device=self.device)
+        table = self.page_table[:len(batch.seq_lens_cpu)]  # a decode batch holds at most max_batch_size
         firsts = batch.req_to_token[:, ::p][batch.req_pool_indices]  # [B, W]: each page's first slot
         table[:, :firsts.shape[1]].copy_(torch.div(firsts, p, rounding_mode="floor"))
-        return XqaDecodeMetadata(table, batch.seq_lens.to(torch.int32), width * p)
+        return XqaDecodeMetadata(table, batch.seq_lens.to(torch.int32), table.shape[1] * p)
 
     @property
     def prepares_graph_inputs(self) -> bool:
@@ -245,14 +242,12 @@ class FlashInferBackend(AttentionBackend):
         bs = len(batch.seq_lens_cpu)
         out = DecodeBuffers(batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices,
                             batch.seq_lens)
-        if self.decode_backend == "xqa":
-            table = prepare_decode(packed, last_token_ids, batch.req_to_token, out, graph.indptr, self.kv_indices_buf,
-                                   bs, sum(batch.seq_lens_cpu), page_table=self.page_table, page_size=self.page_size)
-            batch.attn_metadata = XqaDecodeMetadata(table, batch.seq_lens, table.shape[1] * self.page_size)
-            return
-        indices = prepare_decode(packed, last_token_ids, batch.req_to_token, out, graph.indptr, self.kv_indices_buf,
-                                 bs, sum(batch.seq_lens_cpu))
-        batch.attn_metadata = self._triton_metadata(graph.indptr, indices, bs)
+        xqa = self.decode_backend == "xqa"
+        lists = prepare_decode(packed, last_token_ids, batch.req_to_token, out, graph.indptr, self.kv_indices_buf, bs,
+                               sum(batch.seq_lens_cpu), page_table=self.page_table if xqa else None,
+                               page_size=self.page_size if xqa else 1)
+        batch.attn_metadata = (XqaDecodeMetadata(lists, batch.seq_lens, lists.shape[1] * self.page_size) if xqa
+                               else self._triton_metadata(graph.indptr, lists, bs))
 
     def _triton_metadata(self, indptr: torch.Tensor, indices: torch.Tensor, batch_size: int) -> TritonDecodeMetadata:
         return TritonDecodeMetadata(indptr, indices, num_kv_splits(batch_size, self.num_kv_heads, self.num_sms,
@@ -277,7 +272,6 @@ class FlashInferBackend(AttentionBackend):
                                     meta.num_splits, out=out, counters=self.split_counters)
         out = meta.run(q.to(self.q_dtype).contiguous(), (k_buf.unsqueeze(1), v_buf.unsqueeze(1)))
         return out if out.dtype == self.dtype else out.to(self.dtype)
-
 
     def _xqa_decode(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                     meta: XqaDecodeMetadata) -> torch.Tensor:

@@ -149,24 +149,23 @@ def _prepare_decode_kernel(packed, batch, last_token_ids, req_to_token, t_sr, t_
             tl.store(indptr, start)  # zero, in indptr's own type
     t = tl.arange(0, CHUNK)
     hole = tl.where(real, pos, -1)  # the position whose slot this launch writes (none for padding rows)
+    count = tl.cdiv(n, PAGE)  # entries: the slot of every position (PAGE 1), else the page of every PAGE-th
     if PAGE == 1:
         dst = indices + start
-        for t0 in tl.range(c * CHUNK, n, tl.num_programs(1) * CHUNK):
-            p = t0 + t
-            ok = (p < n) & (start + p < capacity)
-            from_table = ok & (p != hole)  # not the slot this launch writes: the input has it
-            slots = tl.load(src + p.to(tl.int64) * t_sc, mask=from_table)
-            tl.store(dst + p, tl.where(from_table, slots.to(tl.int32), slot.to(tl.int32)), mask=ok)
-    else:  # the page of each PAGE-th position
-        num_pages = tl.cdiv(n, PAGE)
-        for j0 in tl.range(c * CHUNK, num_pages, tl.num_programs(1) * CHUNK):
-            j = j0 + t
-            ok = j < num_pages
-            p = j * PAGE
-            from_table = ok & (p != hole)
-            slots = tl.load(src + p.to(tl.int64) * t_sc, mask=from_table)
-            first = tl.where(from_table, slots.to(tl.int32), slot.to(tl.int32))
-            tl.store(pages + i * p_sr + j, first // PAGE, mask=ok)
+        room = capacity - start  # writes past the index buffer's end are dropped
+    else:
+        dst = pages + i * p_sr
+        room = count
+    for j0 in tl.range(c * CHUNK, count, tl.num_programs(1) * CHUNK):
+        j = j0 + t
+        ok = (j < count) & (j < room)
+        p = j * PAGE
+        from_table = ok & (p != hole)  # not the slot this launch writes: the input has it
+        slots = tl.load(src + p.to(tl.int64) * t_sc, mask=from_table)
+        entry = tl.where(from_table, slots.to(tl.int32), slot.to(tl.int32))
+        if PAGE > 1:
+            entry = entry // PAGE
+        tl.store(dst + j, entry, mask=ok)
 
 
 def prepare_decode(packed: torch.Tensor, last_token_ids: torch.Tensor, req_to_token: torch.Tensor,

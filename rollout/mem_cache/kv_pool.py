@@ -93,9 +93,9 @@ class SlotAllocator:
         body = (pages[:, None] * p + torch.arange(p)).reshape(-1)[:n - in_page]
         return torch.cat([head, body])
 
-    def alloc_decode(self, kv_lens: list[int], last_slots: list[int]) -> torch.Tensor | None:
+    def alloc_decode(self, kv_lens: list[int], last_slots: torch.Tensor) -> torch.Tensor | None:
         """One slot for each request's next token (``alloc(1, kv_lens[i], last_slots[i])`` for every i, all
-        or nothing)."""
+        or nothing; ``last_slots`` int64, ``ReqToTokenPool.last_slots``)."""
         p = self.page_size
         if p == 1:
             return self._take(len(kv_lens))
@@ -103,7 +103,7 @@ class SlotAllocator:
         pages = self._take(len(new))
         if pages is None:
             return None
-        out = torch.tensor(last_slots, dtype=torch.int64) + 1
+        out = last_slots + 1
         if new:
             out[torch.tensor(new)] = pages * p
         return out
@@ -180,6 +180,13 @@ class ReqToTokenPool:
         without a host wait; nothing to do when the table is ``cpu_table`` (the host write did it)."""
         if self.table is not self.cpu_table:
             self.table[rows, positions] = slots.to(torch.int32)
+
+    def last_slots(self, rows: list[int], lens: list[int]) -> torch.Tensor:
+        """The slots of positions ``lens[i] - 1`` of ``rows[i]`` (0 where ``lens[i]`` is 0), int64, from the
+        host table in one gather."""
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        out = self.cpu_table[torch.tensor(rows, dtype=torch.int64), (lens_t - 1).clamp(min=0)].to(torch.int64)
+        return out.masked_fill(lens_t == 0, 0)
 
     def slots(self, row: int, end: int) -> torch.Tensor:
         """The slots of positions [0, end) of ``row`` (CPU int64)."""

@@ -1,8 +1,8 @@
 """CUDA graphs for decode: one graph per padded batch size, captured after the weights load.
 
 Inputs live in static buffers; a replay fills them from the real batch (padding rows write their KV
-to the scratch slot 0 and read one cached token) and re-plans attention for that size (with Triton
-decode both in one kernel launch), and replays. Weights are never rebound (updates copy in place), so
+to the scratch slot 0 and read one cached token) and re-plans attention for that size (with Triton or
+XQA decode both in one kernel launch), and replays. Weights are never rebound (updates copy in place), so
 graphs stay valid across updates.
 """
 

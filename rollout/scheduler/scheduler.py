@@ -337,11 +337,8 @@ class Scheduler(WeightUpdateMixin):
 
     def _place_chunk(self, req: Req, n: int) -> None:
         """Take ``n`` slots (already ensured free) for the request's next ``n`` tokens."""
-        self.req_pool.write(req.pool_row, req.kv_len, self.allocator.alloc(n, req.kv_len, self._last_slot(req)))
-
-    def _last_slot(self, req: Req) -> int:
-        """The slot of the request's newest computed token (0 before its first)."""
-        return int(self.req_pool.cpu_table[req.pool_row, req.kv_len - 1]) if req.kv_len else 0
+        last = int(self.req_pool.last_slots([req.pool_row], [req.kv_len])[0])
+        self.req_pool.write(req.pool_row, req.kv_len, self.allocator.alloc(n, req.kv_len, last))
 
     def _headroom(self, requests: int) -> int:
         """Slots kept free for the next decode token of ``requests`` running requests (a page each)."""
@@ -377,8 +374,8 @@ class Scheduler(WeightUpdateMixin):
             reqs = self._decode_candidates()
         if not reqs:
             return None
-        slots = self.allocator.alloc_decode([r.kv_len for r in reqs], [self._last_slot(r) for r in reqs])
         rows, positions = [r.pool_row for r in reqs], [r.kv_len for r in reqs]
+        slots = self.allocator.alloc_decode(positions, self.req_pool.last_slots(rows, positions))
         self.req_pool.write_many(rows, positions, slots, device=False)  # the runner writes the device table
         inputs = StepInput(ForwardMode.DECODE, rows, None, positions, slots, [p + 1 for p in positions],
                            [1] * len(reqs))
