@@ -10,13 +10,12 @@ import zmq
 from rollout.config import EngineConfig
 from rollout.detokenize_state import IncrementalDetokenizer
 from rollout.io_struct import BatchTokenOut, ShutdownReq, TokenOut
-from rollout.ipc import IPCPaths, socket, watch_parent
+from rollout.ipc import IPCPaths, socket
 from rollout.logging_utils import configure
 
 
 def run_detokenizer_process(config: EngineConfig, paths: IPCPaths, ready: Any) -> None:
     """Load the tokenizer, report readiness on ``ready``, then forward outputs with text filled in."""
-    watch_parent()
     configure(config.log_level, "Detokenizer")
     ctx = zmq.Context()
     try:

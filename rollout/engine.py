@@ -242,8 +242,12 @@ class Engine:
         if prompt_token_ids is not None:
             if prompts is not None:
                 raise ValueError("pass prompts or prompt_token_ids, not both")
-            if prompt_token_ids and isinstance(prompt_token_ids[0], int):
+            if not isinstance(prompt_token_ids, (list, tuple)):
+                raise ValueError(f"prompt_token_ids must be a list of token-id lists, got {type(prompt_token_ids).__name__}")
+            if prompt_token_ids and not isinstance(prompt_token_ids[0], (list, tuple)):
                 prompt_token_ids = [prompt_token_ids]
+            if not all(isinstance(ids, (list, tuple)) for ids in prompt_token_ids):
+                raise ValueError("prompt_token_ids must be one list of token ids or a list of them")
             pairs = [(None, list(ids)) for ids in prompt_token_ids]
         else:
             if prompts is None:
@@ -259,9 +263,7 @@ class Engine:
             params = [SamplingParams.from_any(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_any(sampling_params)] * len(pairs)
-        rids = request_id if isinstance(request_id, (list, tuple)) else [request_id] * len(pairs)
-        if request_id is not None and not isinstance(request_id, (list, tuple)) and len(pairs) > 1:
-            raise ValueError("one request_id for several prompts: pass a list")
+        rids = _request_ids(request_id, len(pairs))
         tm = self.tokenizer_manager
         items = [(text, ids if ids is not None else tm.tokenize(text), p, rid)
                  for (text, ids), p, rid in zip(pairs, params, rids)]
@@ -386,6 +388,24 @@ class Engine:
         return self._call("update_weights_from_tensor", async_op, specs=[(name, _dtype_str(dtype), list(shape))],
                           payload=("cuda_ipc", [tuple(args)]), flush_cache=empty_cache, weight_version=None,
                           check_finite=False)
+
+
+def _request_ids(request_id: Any, count: int) -> list[str | None]:
+    """One request id (or None: a fresh one) per prompt from ``request_id``: None, a string for one prompt,
+    or a list of distinct strings, one per prompt."""
+    if request_id is None:
+        return [None] * count
+    if isinstance(request_id, str):
+        if count > 1:
+            raise ValueError(f"request_id: one id for {count} prompts; pass a list of {count} ids")
+        return [request_id]
+    if not isinstance(request_id, (list, tuple)):
+        raise ValueError(f"request_id must be a string or a list of strings, got {request_id!r}")
+    if len(request_id) != count:
+        raise ValueError(f"request_id: got {len(request_id)} ids for {count} prompts")
+    if not all(isinstance(r, str) and r for r in request_id) or len(set(request_id)) != count:
+        raise ValueError(f"request_id must be distinct, non-empty strings, got {list(request_id)!r}")
+    return list(request_id)
 
 
 def _dtype_str(dtype: Any) -> str:

@@ -17,7 +17,7 @@ class GenerateReq:
     sampling: SamplingParams
     seed: int
     stream: bool = False
-    group: str | None = None
+    return_prompt_logprobs: bool = False  # compute ``sampling.prompt_logprobs`` (the first of n samples only)
 
 
 @dataclass
@@ -70,6 +70,17 @@ class DecodeSpec:
 
 
 @dataclass
+class PromptLogprobsOut:
+    """A request's prompt logprobs: entry ``i`` is for prompt position ``first + i`` (the logprob of that
+    token given the ones before it, its rank, and with k > 0 the top-k (token id, logprob) pairs)."""
+
+    first: int
+    token_logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]] | None
+
+
+@dataclass
 class TokenOut:
     """A request's new tokens since its last message (all of them, at finish, for non-streaming)."""
 
@@ -84,6 +95,7 @@ class TokenOut:
     completion_tokens: int = 0
     weight_version: str = ""
     spec: DecodeSpec | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
     text: str = ""
 
 

@@ -1,12 +1,10 @@
-"""Per-engine IPC addresses, ZeroMQ sockets, and the parent-death watchdog for child processes."""
+"""Per-engine IPC addresses and ZeroMQ sockets."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-import threading
-import time
 from dataclasses import dataclass
 
 import zmq
@@ -54,16 +52,3 @@ def socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
         sock.setsockopt(zmq.RCVHWM, 0)
     (sock.bind if bind else sock.connect)(addr)
     return sock
-
-
-def watch_parent(interval_s: float = 0.5) -> None:
-    """Exit this process as soon as its parent dies (it is re-parented): no orphans."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(interval_s)
-            if os.getppid() != parent:
-                os._exit(0)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

@@ -1,20 +1,85 @@
-"""Starts an engine's subprocesses with ``spawn``, waits for their readiness, and stops them."""
+"""Starts an engine's subprocesses, waits for their readiness, and stops them.
+
+Children are fresh interpreters started with ``subprocess`` (``rollout.child_entry``), not
+``multiprocessing`` spawns: the caller's ``__main__`` is never re-imported, so an Engine made at a script's
+top level (no ``if __name__ == "__main__":``), in ``python -c``, from stdin or in a Jupyter kernel starts
+the same way. Each child watches its parent from its first moments and exits when the parent is gone.
+"""
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import os
+import pickle
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from multiprocessing.connection import Connection
+from typing import Any, Callable
 
 from rollout.config import EngineConfig
 from rollout.ipc import IPCPaths
 
 _START_TIMEOUT_S = 900.0
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class ChildStartError(RuntimeError):
     """A subprocess failed while starting; carries its traceback."""
+
+
+class ChildProcess:
+    """One engine subprocess: ``target(*args, ready)`` run in a fresh interpreter, where ``ready`` is the
+    write end of ``self.ready`` (the child reports readiness or its start-up error there). The interface
+    is the part of ``multiprocessing.Process`` the engine uses (``pid``, ``name``, ``is_alive``, ``join``,
+    ``terminate``, ``kill``, ``exitcode``)."""
+
+    def __init__(self, target: Callable[..., Any], args: tuple, name: str) -> None:
+        self.name = name
+        boot_r, boot_w = os.pipe()
+        ready_r, ready_w = os.pipe()
+        code = f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); import rollout.child_entry as c; c.main()"
+        try:
+            self._popen = subprocess.Popen(
+                [sys.executable, "-c", code, str(os.getpid()), str(boot_r), str(ready_w)],
+                pass_fds=(boot_r, ready_w), stdin=subprocess.DEVNULL, close_fds=True)
+        finally:
+            os.close(boot_r)
+            os.close(ready_w)
+        self.ready = Connection(ready_r, writable=False)
+        with os.fdopen(boot_w, "wb") as f:  # a child that died at once: BrokenPipeError, seen as its exit
+            try:
+                pickle.dump((target, args), f)
+            except BrokenPipeError:
+                pass
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self._popen.terminate()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self._popen.kill()
+
+    def close(self) -> None:
+        self.ready.close()
 
 
 @dataclass
@@ -22,7 +87,7 @@ class EngineProcesses:
     """The running subprocesses of one engine and what they reported when ready."""
 
     paths: IPCPaths
-    procs: list[Any] = field(default_factory=list)
+    procs: list[ChildProcess] = field(default_factory=list)
     context_len: int = 0
     num_slots: int = 0
 
@@ -35,13 +100,13 @@ class EngineProcesses:
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self.procs:
-            if p.is_alive():
-                p.terminate()
+            p.terminate()
         for p in self.procs:
             p.join(2.0)
             if p.is_alive():
                 p.kill()
                 p.join(2.0)
+            p.close()
         self.paths.remove()
 
 
@@ -50,26 +115,18 @@ def launch(config: EngineConfig) -> EngineProcesses:
     from rollout.detokenizer import run_detokenizer_process
     from rollout.scheduler.process import run_scheduler_process
 
-    ctx = mp.get_context("spawn")
     engine = EngineProcesses(IPCPaths.create())
-    pipes = []
     targets = [(run_scheduler_process, (config, engine.paths, rank), f"rollout-scheduler-tp{rank}")
                for rank in range(config.tp_size)]
     if not config.skip_tokenizer_init:
         targets.append((run_detokenizer_process, (config, engine.paths), "rollout-detokenizer"))
     try:
         for target, args, name in targets:
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(*args, writer), name=name, daemon=True)
-            proc.start()
-            writer.close()
-            engine.procs.append(proc)
-            pipes.append((reader, proc))
-        infos = _wait_ready(pipes)
+            engine.procs.append(ChildProcess(target, args, name))
+        infos = _wait_ready(engine.procs)
     except BaseException:
         for p in engine.procs:
-            if p.is_alive():
-                p.kill()
+            p.kill()
         engine.stop(timeout_s=0.0)
         raise
     engine.context_len = infos[0]["context_len"]
@@ -77,25 +134,29 @@ def launch(config: EngineConfig) -> EngineProcesses:
     return engine
 
 
-def _wait_ready(pipes: list[tuple[Any, Any]]) -> list[dict[str, Any]]:
+def _wait_ready(procs: list[ChildProcess]) -> list[dict[str, Any]]:
     """Every child's readiness report, in order; the first failure of any child raises at once."""
-    infos: list[dict[str, Any] | None] = [None] * len(pipes)
+    from multiprocessing.connection import wait
+
+    infos: list[dict[str, Any] | None] = [None] * len(procs)
     deadline = time.monotonic() + _START_TIMEOUT_S
     while any(info is None for info in infos):
         if time.monotonic() > deadline:
             raise ChildStartError(f"engine subprocesses did not become ready within {_START_TIMEOUT_S:.0f} s")
-        for i, (reader, proc) in enumerate(pipes):
+        pending = [p.ready for p, info in zip(procs, infos) if info is None]
+        wait(pending, timeout=0.5)  # wakes on a report or on a child's exit (its end of the pipe closes)
+        for i, proc in enumerate(procs):
             if infos[i] is None:
-                infos[i] = _poll_child(reader, proc)
-        time.sleep(0.05)
+                infos[i] = _poll_child(proc)
     return infos
 
 
-def _poll_child(reader: Any, proc: Any) -> dict[str, Any] | None:
-    if reader.poll(0):
+def _poll_child(proc: ChildProcess) -> dict[str, Any] | None:
+    if proc.ready.poll(0):
         try:
-            info = reader.recv()
+            info = proc.ready.recv()
         except EOFError:
+            proc.join(1.0)
             info = {"ok": False, "error": f"{proc.name} exited during start-up (exit code {proc.exitcode})"}
         if info.get("ok"):
             return info

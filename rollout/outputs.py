@@ -40,7 +40,12 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The outputs of one prompt. In a stream, each chunk holds only what is new since the last chunk."""
+    """The outputs of one prompt. In a stream, each chunk holds only what is new since the last chunk.
+
+    ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``; vLLM's shape): one entry per prompt token,
+    token id → Logprob (the prompt token, plus the top-k alternatives), None for the first token (and for
+    positions up to ``logprob_start_len``); a stream carries it in its first chunk.
+    """
 
     request_id: str
     prompt: str | None
@@ -50,3 +55,4 @@ class RequestOutput:
     weight_version: str = ""
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

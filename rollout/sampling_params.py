@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -23,6 +24,9 @@ class SamplingParams:
     sampled from after penalties, temperature, top-k/top-p/min-p (``"processed"``).
     ``seed`` makes the sample depend only on (seed, sample index, token position), whatever else
     shares the batch. ``max_tokens``/``min_tokens`` are accepted as aliases (vLLM's names).
+    ``prompt_logprobs`` (vLLM's name) is None (off) or k >= 0: the logprob of every prompt token given the
+    ones before it (raw, like ``logprobs``), with the top-k alternatives, in ``RequestOutput.prompt_logprobs``;
+    ``logprob_start_len`` (SGLang's name) starts them later: positions up to and including it get None.
     """
 
     max_new_tokens: int = 128
@@ -44,6 +48,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logprobs: int | None = None
     logprobs_mode: str = "raw"
+    prompt_logprobs: int | None = None
+    logprob_start_len: int = 0
 
     def __init__(self, **kwargs: Any) -> None:
         names = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -59,8 +65,15 @@ class SamplingParams:
                 raise ValueError(f"sampling parameters {seen[target]!r} and {key!r} name the same setting")
             seen[target] = key
             setattr(self, target, value)
-        self._normalize()
-        self.verify()
+        try:
+            self._normalize()
+            self.verify()
+        except ValueError as e:  # name the field as the caller typed it (max_tokens, not max_new_tokens)
+            message = str(e)
+            for target, key in seen.items():
+                if key != target and message.startswith(target):
+                    message = key + message[len(target):]
+            raise ValueError(message) from None
 
     @classmethod
     def from_any(cls, params: "SamplingParams | Mapping[str, Any] | None") -> "SamplingParams":
@@ -70,7 +83,7 @@ class SamplingParams:
         if isinstance(params, SamplingParams):
             return params
         if isinstance(params, Mapping):
-            return cls(**{k: v for k, v in params.items() if v is not None or k in ("seed", "logprobs")})
+            return cls(**{k: v for k, v in params.items() if v is not None or k in ("seed", "logprobs", "prompt_logprobs")})
         raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(params).__name__}")
 
     @property
@@ -87,14 +100,10 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def _normalize(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k in (0, None):
+        self.stop = _as_list(self.stop, "stop", str)
+        self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids", int)
+        if self.top_k is None or (self.top_k == 0 and not isinstance(self.top_k, bool)):
             self.top_k = -1
-        if self.temperature is not None and isinstance(self.temperature, int):
-            self.temperature = float(self.temperature)
 
     def verify(self) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -115,6 +124,9 @@ class SamplingParams:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.logprobs is not None:
             _check_int(self, "logprobs", lo=0, hi=20)
+        if self.prompt_logprobs is not None:
+            _check_int(self, "prompt_logprobs", lo=0, hi=20)
+        _check_int(self, "logprob_start_len", lo=0)
         if self.logprobs_mode not in _LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {_LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
@@ -143,11 +155,24 @@ def _check_int(p: SamplingParams, name: str, lo: int | None = None, hi: int | No
         raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}")
 
 
+def _as_list(value: Any, name: str, kind: type) -> list[Any]:
+    """``value`` as a list: None is empty, one string (for ``kind`` str, as OpenAI's ``stop``) is a list of
+    one; anything else but a list or tuple is a ValueError naming ``name`` (``verify`` checks the items)."""
+    if value is None:
+        return []
+    if kind is str and isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        what = "a string or a list of strings" if kind is str else "a list of ints"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return list(value)
+
+
 def _check_float(p: SamplingParams, name: str, lo: float | None = None, hi: float | None = None,
                  lo_open: bool = False) -> None:
     v = getattr(p, name)
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
-        raise ValueError(f"{name} must be a number, got {v!r}")
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number, got {v!r}")
     v = float(v)
     setattr(p, name, v)
     bad_lo = lo is not None and (v <= lo if lo_open else v < lo)

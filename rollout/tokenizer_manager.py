@@ -19,8 +19,8 @@ from typing import Any, Callable
 import zmq
 
 from rollout.config import EngineConfig, ModelConfig
-from rollout.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq, GenerateReq, SchedulerError,
-                               ShutdownReq, TokenOut)
+from rollout.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq, GenerateReq, PromptLogprobsOut,
+                               SchedulerError, ShutdownReq, TokenOut)
 from rollout.ipc import IPCPaths, socket
 from rollout.outputs import CompletionOutput, Logprob, RequestOutput
 from rollout.sampling_params import SamplingParams
@@ -57,6 +57,8 @@ class ReqState:
         self.sink = sink
         self.seqs = [SeqState() for _ in range(params.n)]
         self.cached_tokens = 0
+        self.prompt_logprobs: PromptLogprobsOut | None = None
+        self.prompt_logprobs_sent = False  # a stream delivered them (with its first chunk)
         self.weight_version = ""
         self.error: str | None = None
         self.error_type = "RuntimeError"
@@ -108,7 +110,10 @@ class TokenizerManager:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_cfg.vocab_size
-        bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        not_ints = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool)]
+        if not_ints:
+            raise ValueError(f"prompt token ids must be ints, got {not_ints[:5]}")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of vocabulary [0, {vocab}): {bad[:5]}")
         if len(prompt_ids) >= self.context_len:
@@ -117,6 +122,9 @@ class TokenizerManager:
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids out of vocabulary [0, {vocab}): {bad_stop}")
+        if params.prompt_logprobs is not None and params.logprob_start_len >= len(prompt_ids):
+            raise ValueError(f"logprob_start_len ({params.logprob_start_len}) must be less than the prompt length "
+                             f"({len(prompt_ids)})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
 
@@ -137,7 +145,8 @@ class TokenizerManager:
         msgs = []
         for i, sub in enumerate(state.sub_rids()):
             seed = (params.seed + i * _GOLDEN) & _MASK63 if params.seed is not None else self.rng.getrandbits(63)
-            msgs.append(GenerateReq(sub, prompt_ids, params, seed, stream, group=rid if params.n > 1 else None))
+            msgs.append(GenerateReq(sub, prompt_ids, params, seed, stream,
+                                    return_prompt_logprobs=i == 0 and params.prompt_logprobs is not None))
         with self.send_lock:
             self.states[rid] = state
             for i, sub in enumerate(state.sub_rids()):
@@ -222,6 +231,8 @@ class TokenizerManager:
             if out.top_logprobs is not None:
                 seq.top_logprobs.extend(out.top_logprobs)
             state.cached_tokens = max(state.cached_tokens, out.cached_tokens)
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = out.prompt_logprobs
             state.weight_version = out.weight_version
             if out.finished is not None:
                 seq.finish_reason = out.finished.type
@@ -254,9 +265,14 @@ class TokenizerManager:
         """A vLLM-shaped RequestOutput of everything so far (or, with ``delta``, what is new)."""
         with state.lock:
             outputs = [self._completion(state, i, seq, delta) for i, seq in enumerate(state.seqs)]
+            prompt_lps = None
+            if state.prompt_logprobs is not None and not (delta and state.prompt_logprobs_sent):
+                prompt_lps = self._prompt_logprob_dicts(state.prompt_ids, state.prompt_logprobs)
+                state.prompt_logprobs_sent = delta
             return RequestOutput(request_id=state.rid, prompt=state.prompt, prompt_token_ids=state.prompt_ids,
                                  outputs=outputs, finished=state.finished, weight_version=state.weight_version,
-                                 num_cached_tokens=state.cached_tokens, error=state.error)
+                                 num_cached_tokens=state.cached_tokens, error=state.error,
+                                 prompt_logprobs=prompt_lps)
 
     def _completion(self, state: ReqState, index: int, seq: SeqState, delta: bool) -> CompletionOutput:
         t0, c0 = (seq.sent_tokens, seq.sent_text) if delta else (0, 0)
@@ -271,19 +287,30 @@ class TokenizerManager:
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
 
     def _logprob_dicts(self, seq: SeqState, start: int) -> list[dict[int, Logprob]]:
-        out = []
         ids = seq.token_ids[start:len(seq.logprobs)]
-        for j, tok in enumerate(ids, start):
-            entry = {tok: Logprob(seq.logprobs[j], seq.ranks[j] if j < len(seq.ranks) else None)}
-            if j < len(seq.top_logprobs):
-                for rank, (alt, lp) in enumerate(seq.top_logprobs[j], 1):
-                    entry.setdefault(alt, Logprob(lp, rank))
-            out.append(entry)
-        if self.tokenizer is not None:
-            for entry in out:
-                for tok, lp in entry.items():
-                    lp.decoded_token = self.tokenizer.convert_ids_to_tokens(tok)
+        return [self._logprob_entry(tok, seq.logprobs[j], seq.ranks[j] if j < len(seq.ranks) else None,
+                                    seq.top_logprobs[j] if j < len(seq.top_logprobs) else None)
+                for j, tok in enumerate(ids, start)]
+
+    def _prompt_logprob_dicts(self, prompt_ids: list[int], plp: PromptLogprobsOut) -> list[dict[int, Logprob] | None]:
+        """vLLM's ``prompt_logprobs``: one entry per prompt token, None where none was computed (the first token,
+        and those up to ``logprob_start_len``)."""
+        out: list[dict[int, Logprob] | None] = [None] * len(prompt_ids)
+        for j, lp in enumerate(plp.token_logprobs):
+            pos = plp.first + j
+            out[pos] = self._logprob_entry(prompt_ids[pos], lp, plp.ranks[j], plp.top[j] if plp.top else None)
         return out
+
+    def _logprob_entry(self, token: int, logprob: float, rank: int | None,
+                       top: list[tuple[int, float]] | None) -> dict[int, Logprob]:
+        """{token: its Logprob, then each top-k alternative not already there}, with decoded tokens."""
+        entry = {token: Logprob(logprob, rank)}
+        for alt_rank, (alt, lp) in enumerate(top or [], 1):
+            entry.setdefault(alt, Logprob(lp, alt_rank))
+        if self.tokenizer is not None:
+            for tok, value in entry.items():
+                value.decoded_token = self.tokenizer.convert_ids_to_tokens(tok)
+        return entry
 
     # ---- shutdown -----------------------------------------------------------------------------
 

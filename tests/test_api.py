@@ -108,7 +108,7 @@ def test_abort_a_running_request(engine):
     (dict(prompts=[""]), "empty"),
     (dict(prompts=["hi"], sampling_params={"temperature": -1}), "temperature"),
     (dict(prompts=["hi"], sampling_params={"top_p": 1.5}), "top_p"),
-    (dict(prompts=["hi"], sampling_params={"max_tokens": -3}), "max_new_tokens"),
+    (dict(prompts=["hi"], sampling_params={"max_tokens": -3}), "max_tokens must be"),
     (dict(prompts=["hi"], sampling_params={"bogus": 1}), "bogus"),
     (dict(prompts=["hi"], sampling_params={"stop_token_ids": [10**6]}), "stop_token_ids"),
     (dict(prompts=["hi"], sampling_params={"logprobs": 50}), "logprobs"),

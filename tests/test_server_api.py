@@ -302,7 +302,7 @@ BAD = [  # (path, body (str = raw), headers, status, words in the message)
     ("/v1/completions", "[1, 2]", None, 400, "must be a JSON object"),
     ("/v1/completions", {"prompt": [5] * 600}, None, 400, "context length is 512"),
     ("/v1/completions", {"prompt": [5] * 600, "stream": True}, None, 400, "context length is 512"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, None, 400, "echo is not supported"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, None, 400, "suffix is not supported"),
     ("/v1/completions", {"prompt": [5, 6, 100000]}, None, 400, "out of vocabulary"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-17"}, None, 404, "does not exist"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, None, 400, "'messages.0.role'"),

@@ -12,7 +12,12 @@ if TYPE_CHECKING:
 
 
 class AttentionBackend:
-    """Writes a layer's new K/V into the paged pool and attends over each request's cached tokens."""
+    """Writes a layer's new K/V into the paged pool and attends over each request's cached tokens.
+
+    ``supports_cuda_graph``: decode forwards through this backend can be captured in CUDA graphs (the
+    backend then also provides ``graph_state`` and the replay hooks ``CudaGraphRunner`` calls)."""
+
+    supports_cuda_graph = False
 
     def init_forward_metadata(self, batch: "ForwardBatch") -> None:
         """Prepare per-batch metadata once before the layers run (index lists, planner state)."""

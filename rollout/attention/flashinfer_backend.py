@@ -88,6 +88,8 @@ class FlashInferBackend(AttentionBackend):
     """Plans FlashInfer's batch prefill / decode kernels (or the Triton decode kernel) per forward and runs
     them per layer."""
 
+    supports_cuda_graph = True
+
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, scaling: float, dtype: torch.dtype,
                  device: torch.device, max_kv_indices: int, kv_dtype: torch.dtype | None = None,
                  decode_backend: str = "auto", max_batch_size: int = 1024, page_size: int = 1,

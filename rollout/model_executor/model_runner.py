@@ -12,6 +12,7 @@ from rollout.attention.base import AttentionBackend
 from rollout.config import EngineConfig, ModelConfig, kv_cache_torch_dtype, resolve_torch_dtype
 from rollout.device_copy import list_to_device, to_device
 from rollout.distributed import TPGroup
+from rollout.layers.logits_processor import PromptLogprobs, prompt_logprobs
 from rollout.layers.sampler import Sampler, SamplerOutput, SamplingBatchInfo, SamplingRow
 from rollout.mem_cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from rollout.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -36,6 +37,7 @@ class StepInput:
     out_slots: torch.Tensor
     seq_lens: list[int]
     extend_lens: list[int]
+    prompt_logprobs: "PromptLogprobsRequest | None" = None
 
     def decode_pack(self, pin: bool = False) -> torch.Tensor:
         """Host int64 [4, B], contiguous: rows ``rows``, ``positions``, ``out_slots``, ``seq_lens`` (the
@@ -50,17 +52,29 @@ class StepInput:
 
 
 @dataclass
-class StepOutput:
-    """A launched step's sampled tokens, being copied to the host; ``wait()`` makes them readable.
+class PromptLogprobsRequest:
+    """Prompt logprobs wanted from an extend step: for each of ``indices`` (into the step's flattened tokens),
+    the logprob of the token at the next position, ``targets``; with the top ``top_k`` alternatives."""
 
-    Fields are host tensors with one row per sampled request (see ``SamplerOutput``).
+    indices: list[int]
+    targets: list[int]
+    top_k: int
+
+
+@dataclass
+class StepOutput:
+    """A launched step's results, being copied to the host; ``wait()`` makes them readable.
+
+    Token fields are host tensors with one row per sampled request (see ``SamplerOutput``; None when the
+    step sampled nothing); ``prompt_logprobs`` has one row per ``StepInput.prompt_logprobs`` index.
     """
 
-    next_token_ids: torch.Tensor
-    logprobs: torch.Tensor
-    ranks: torch.Tensor
+    next_token_ids: torch.Tensor | None
+    logprobs: torch.Tensor | None
+    ranks: torch.Tensor | None
     top_logprob_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
+    prompt_logprobs: PromptLogprobs | None = None
     event: Any = None
 
     def wait(self) -> "StepOutput":
@@ -127,10 +141,11 @@ class ModelRunner:
         return slots
 
     def _attention_backend(self, attn) -> AttentionBackend:
-        """``flashinfer`` on CUDA when it is installed (the ``gpu`` extra), else ``torch_native``."""
+        """``flashinfer`` on CUDA when the ``gpu`` extra (flashinfer, triton) is installed, else ``torch_native``."""
         name = self.config.attention_backend
+        gpu_extra = _has_module("flashinfer") and _has_module("triton")
         if name == "auto":
-            name = "flashinfer" if self.device.type == "cuda" and _has_module("flashinfer") else "torch_native"
+            name = "flashinfer" if self.device.type == "cuda" and gpu_extra else "torch_native"
         if name == "torch_native":
             from rollout.attention.torch_native import TorchNativeBackend
 
@@ -138,6 +153,9 @@ class ModelRunner:
         if name == "flashinfer":
             if self.device.type != "cuda":
                 raise ValueError("the flashinfer attention backend needs a CUDA device")
+            if not gpu_extra:
+                raise ValueError("the flashinfer attention backend needs flashinfer and triton: "
+                                 "pip install 'rollout-engine[gpu]'")
             from rollout.attention.flashinfer_backend import FlashInferBackend
 
             max_indices = self.config.max_running_requests * (self.context_len + 1) + 1
@@ -149,27 +167,34 @@ class ModelRunner:
         raise ValueError(f"attention backend {name!r} is not available")
 
     def _graph_runner(self):
-        """CUDA graphs for decode (FlashInfer backend on CUDA, unless disabled)."""
-        from rollout.attention.flashinfer_backend import FlashInferBackend
-
-        if self.config.disable_cuda_graph or not isinstance(self.attn_backend, FlashInferBackend):
+        """CUDA graphs for decode, when the attention backend supports them (unless disabled)."""
+        if self.config.disable_cuda_graph or not self.attn_backend.supports_cuda_graph:
             return None
         from rollout.model_executor.cuda_graph_runner import CudaGraphRunner, default_batch_sizes
 
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
         return CudaGraphRunner(self, self.attn_backend, default_batch_sizes(max_bs))
 
-    def forward(self, step: StepInput) -> torch.Tensor:
+    def forward(self, step: StepInput) -> tuple[torch.Tensor, PromptLogprobs | None]:
         """Logits [num_requests, vocab] (model dtype; the sampler computes in float32) of each request's last
-        token in ``step``. A decode step also writes its ``out_slots`` into the device request table at
-        (``rows``, ``positions``): the scheduler writes only the host table (``write_many(device=False)``)."""
+        token in ``step``, and the prompt logprobs ``step.prompt_logprobs`` asks for (else None). A decode
+        step also writes its ``out_slots`` into the device request table at (``rows``, ``positions``): the
+        scheduler writes only the host table (``write_many(device=False)``)."""
         if step.mode == ForwardMode.DECODE:
-            return self._forward_decode(step)
+            return self._forward_decode(step), None
         dev = self.device
-        return self._forward_eager(step, list_to_device(step.input_ids, torch.int64, dev),
-                                   list_to_device(step.rows, torch.int64, dev),
-                                   list_to_device(step.positions, torch.int64, dev), to_device(step.out_slots, dev),
-                                   list_to_device(step.seq_lens, torch.int32, dev))
+        batch = self._batch(step, list_to_device(step.input_ids, torch.int64, dev),
+                            list_to_device(step.rows, torch.int64, dev), list_to_device(step.positions, torch.int64, dev),
+                            to_device(step.out_slots, dev), list_to_device(step.seq_lens, torch.int32, dev))
+        want = step.prompt_logprobs
+        if want is None:
+            return self.model(batch), None
+        with torch.no_grad():
+            hidden = self.model.model(batch)
+            rows = hidden.index_select(0, list_to_device(want.indices, torch.int64, dev))
+            extra = prompt_logprobs(self.model.lm_head, rows, list_to_device(want.targets, torch.int64, dev),
+                                    want.top_k)
+            return self.model.logits(batch, hidden), extra
 
     def _forward_decode(self, step: StepInput) -> torch.Tensor:
         """Decode from one host-to-device copy (``StepInput.decode_pack``). A CUDA graph's runner prepares
@@ -180,12 +205,12 @@ class ModelRunner:
             return self.graph_runner.replay(step, packed, self.last_token_ids)
         rows, positions, out_slots, seq_lens = packed.unbind(0)
         self.req_to_token.write_device(rows, positions, out_slots)
-        return self._forward_eager(step, self.last_token_ids[rows], rows, positions, out_slots,
-                                   seq_lens.to(torch.int32))
+        return self.model(self._batch(step, self.last_token_ids[rows], rows, positions, out_slots,
+                                      seq_lens.to(torch.int32)))
 
-    def _forward_eager(self, step: StepInput, input_ids: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                       out_slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """The model run without a graph on ``step``'s inputs, already on the device."""
+    def _batch(self, step: StepInput, input_ids: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+               out_slots: torch.Tensor, seq_lens: torch.Tensor) -> ForwardBatch:
+        """The eager (no graph) forward batch of ``step``'s inputs, already on the device, attention planned."""
         batch = ForwardBatch(
             mode=step.mode,
             input_ids=input_ids,
@@ -200,7 +225,7 @@ class ModelRunner:
             attn_backend=self.attn_backend,
         )
         self.attn_backend.init_forward_metadata(batch)
-        return self.model(batch)
+        return batch
 
     def sampling_info(self, rows: list[SamplingRow]) -> SamplingBatchInfo:
         """The sampling tensors of ``rows`` on this rank's device."""
@@ -215,21 +240,25 @@ class ModelRunner:
     def run_step(self, step: StepInput, sample_index: list[int],
                  info: SamplingBatchInfo | None) -> StepOutput | None:
         """Launch the forward of ``step`` and sampling of its requests ``sample_index`` (with ``info``);
-        returns without waiting for the GPU. The sampled tokens become the rows' ``last_token_ids``."""
-        logits = self.forward(step)
+        returns without waiting for the GPU (None when the step samples nothing and wants no prompt
+        logprobs). The sampled tokens become the rows' ``last_token_ids``."""
+        logits, extra = self.forward(step)
         if not sample_index:
-            return None
+            return None if extra is None else self._to_host(None, extra)
         if len(sample_index) < len(step.rows):
             logits = logits.index_select(0, list_to_device(sample_index, torch.int64, self.device))
         out = self.sample(logits, info)
         sampled_rows = [step.rows[i] for i in sample_index]
         self.last_token_ids.index_copy_(0, list_to_device(sampled_rows, torch.int64, self.device), out.next_token_ids)
-        return self._to_host(out)
+        return self._to_host(out, extra)
 
-    def _to_host(self, out: SamplerOutput) -> StepOutput:
-        """Start copying ``out`` to pinned host memory; the returned output's ``wait()`` completes it."""
+    def _to_host(self, out: SamplerOutput | None, extra: PromptLogprobs | None) -> StepOutput:
+        """Start copying ``out`` and ``extra`` to pinned host memory; the returned output's ``wait()``
+        completes it."""
+        fields = (out.next_token_ids, out.logprobs, out.ranks, out.top_logprob_ids, out.top_logprobs) if out \
+            else (None,) * 5
         if self.device.type != "cuda":
-            return StepOutput(out.next_token_ids, out.logprobs, out.ranks, out.top_logprob_ids, out.top_logprobs)
+            return StepOutput(*fields, prompt_logprobs=extra)
 
         def host(t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
@@ -238,8 +267,9 @@ class ModelRunner:
             return buf.copy_(t, non_blocking=True)
 
         event = torch.cuda.Event()
-        result = StepOutput(host(out.next_token_ids), host(out.logprobs), host(out.ranks), host(out.top_logprob_ids),
-                            host(out.top_logprobs))
+        extra_host = None if extra is None else PromptLogprobs(*(host(t) for t in (
+            extra.token_logprobs, extra.ranks, extra.top_ids, extra.top_logprobs)))
+        result = StepOutput(*(host(t) for t in fields), prompt_logprobs=extra_host)
         event.record()
         result.event = event
         return result

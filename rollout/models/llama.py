@@ -128,7 +128,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM whose ``forward`` returns the logits of each request's last new token [B, vocab].
+    """Causal LM whose ``forward`` returns the logits of each request's last new token [B, vocab]
+    (``model`` alone gives the final hidden states of every token, for prompt logprobs).
 
     ``fused=True`` (CUDA with FlashInfer) uses fused add+RMSNorm and SiLU·mul kernels; the default
     torch path computes exactly what transformers computes. ``quant="fp8"`` stores the decoder layers'
@@ -146,7 +147,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.model(batch)
+        return self.logits(batch, self.model(batch))
+
+    def logits(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [B, vocab] of each request's last token, from the final hidden states [T, H] of ``batch``."""
         last = batch.last_token_indices()
         if last is not None:
             hidden = hidden.index_select(0, last)

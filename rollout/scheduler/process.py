@@ -13,7 +13,7 @@ import zmq
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
 from rollout.io_struct import ControlReply, SchedulerError, ShutdownReq
-from rollout.ipc import IPCPaths, socket, watch_parent
+from rollout.ipc import IPCPaths, socket
 from rollout.logging_utils import configure, dump_stacks_periodically
 from rollout.scheduler.scheduler import Scheduler
 
@@ -29,7 +29,6 @@ def _device(config: EngineConfig, rank: int) -> torch.device:
 
 def run_scheduler_process(config: EngineConfig, paths: IPCPaths, rank: int, ready: Any) -> None:
     """Build the scheduler, report readiness (or the start-up error) on ``ready``, then serve."""
-    watch_parent()
     configure(config.log_level, f"TP{rank}")
     dump_stacks_periodically()
     if config.resolved_device == "cpu":

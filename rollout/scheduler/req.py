@@ -26,7 +26,12 @@ class Req:
         self.needs_history = self.sampling.uses_token_history
         self.seed = msg.seed
         self.stream = msg.stream
-        self.group = msg.group
+        # prompt logprobs: None (off) or top-k; they are computed for prompt positions from prompt_lp_first on
+        self.prompt_lp_k = self.sampling.prompt_logprobs if msg.return_prompt_logprobs else None
+        self.prompt_lp_first = self.sampling.logprob_start_len + 1
+        self.prompt_lps: list[float] = []
+        self.prompt_lp_ranks: list[int] = []
+        self.prompt_lp_top: list[list[tuple[int, float]]] = []
         self.eos_token_ids = eos_token_ids
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -55,6 +60,35 @@ class Req:
     @property
     def wants_logprobs(self) -> bool:
         return self.sampling.logprobs is not None
+
+    @property
+    def prompt_lp_next(self) -> int:
+        """The first prompt position whose logprob is still missing (== len(prompt) when all are in)."""
+        return self.prompt_lp_first + len(self.prompt_lps)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.prompt_lp_k is not None and self.prompt_lp_next < len(self.prompt_ids)
+
+    def prefix_match_len(self) -> int:
+        """How much of ``fill_ids`` may come from the prefix cache: all but the last token, and no position
+        whose prompt logprob must still be computed (it needs that position's logits from the token before)."""
+        if self.needs_prompt_logprobs:
+            return self.prompt_lp_next - 1
+        return self.seq_len - 1
+
+    def prompt_logprob_positions(self, start: int, n: int) -> range:
+        """The positions among ``fill_ids[start:start + n]`` whose logits give a missing prompt logprob (of
+        the token after each)."""
+        if not self.needs_prompt_logprobs:
+            return range(0)
+        return range(max(start, self.prompt_lp_next - 1), min(start + n, len(self.prompt_ids) - 1))
+
+    def add_prompt_logprobs(self, lps: list[float], ranks: list[int], top: list[list[tuple[int, float]]] | None) -> None:
+        self.prompt_lps.extend(lps)
+        self.prompt_lp_ranks.extend(ranks)
+        if top is not None:
+            self.prompt_lp_top.extend(top)
 
     def append_token(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
                      rank: int | None) -> None:

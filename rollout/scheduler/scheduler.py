@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,11 +17,11 @@ import torch
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
 from rollout.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq, DecodeSpec, FinishReason,
-                               GenerateReq, ShutdownReq, TokenOut)
+                               GenerateReq, PromptLogprobsOut, ShutdownReq, TokenOut)
 from rollout.layers.sampler import SamplingBatchInfo, SamplingRow
 from rollout.mem_cache.radix_cache import RadixCache
 from rollout.model_executor.forward_batch import ForwardMode
-from rollout.model_executor.model_runner import ModelRunner, StepInput, StepOutput
+from rollout.model_executor.model_runner import ModelRunner, PromptLogprobsRequest, StepInput, StepOutput
 from rollout.scheduler.req import Req
 from rollout.scheduler.weight_mixin import WEIGHT_OPS, WeightUpdateMixin
 from rollout.weight_updater import WeightUpdater
@@ -40,6 +40,7 @@ class LaunchedStep:
     sampled: list[Req]          # the requests that get a token from this step
     output: StepOutput | None
     launched_at: float
+    prompt_lp_reqs: list[tuple[Req, int]] = field(default_factory=list)  # (request, rows) of prompt logprobs
 
 
 class Scheduler(WeightUpdateMixin):
@@ -118,7 +119,7 @@ class Scheduler(WeightUpdateMixin):
             self.finish(req, FinishReason("abort", message=(
                 f"prompt of {len(req.prompt_ids)} tokens does not fit the context of {self.context_len}")))
             return
-        if req.sampling.max_new_tokens == 0:
+        if req.sampling.max_new_tokens == 0 and req.prompt_lp_k is None:  # else prefilled for its prompt logprobs
             self.finish(req, FinishReason("length"))
             return
         if self.updater.state == "inconsistent":
@@ -225,8 +226,10 @@ class Scheduler(WeightUpdateMixin):
             launched, self.in_flight = self.in_flight, None
             self.process_results(launched)
 
-    def launch(self, reqs: list[Req], inputs: StepInput, sampled: list[Req]) -> LaunchedStep:
-        """Queue the forward of ``inputs`` and sampling for ``sampled`` (a subset of ``reqs``, in order)."""
+    def launch(self, reqs: list[Req], inputs: StepInput, sampled: list[Req],
+               prompt_lp_reqs: list[tuple[Req, int]] | None = None) -> LaunchedStep:
+        """Queue the forward of ``inputs`` and sampling for ``sampled`` (a subset of ``reqs``, in order);
+        ``prompt_lp_reqs`` lists the requests (with their row counts) of ``inputs.prompt_logprobs``."""
         chosen = {id(r) for r in sampled}
         index = [i for i, r in enumerate(reqs) if id(r) in chosen]
         info = self._sampling_info(sampled, inputs.mode) if sampled else None
@@ -235,7 +238,7 @@ class Scheduler(WeightUpdateMixin):
         for req in sampled:
             req.pending += 1
         start = time.perf_counter()
-        return LaunchedStep(inputs, sampled, self.runner.run_step(inputs, index, info), start)
+        return LaunchedStep(inputs, sampled, self.runner.run_step(inputs, index, info), start, prompt_lp_reqs or [])
 
     def _sampling_info(self, sampled: list[Req], mode: ForwardMode) -> SamplingBatchInfo:
         """Sampling tensors for ``sampled`` (before their ``pending`` counts move). A decode step over the
@@ -304,8 +307,9 @@ class Scheduler(WeightUpdateMixin):
         needs no cached prefix in its step, so with a float8 KV pool it attends over its fresh K/V, and no
         chunk continuation puts the next batch on the prefix path. Prompts longer than a batch are chunked."""
         fill = req.fill_ids
-        prefix, node = self.tree.match_prefix(fill[:-1])
-        shared, _ = in_batch.match_prefix(fill[:-1])
+        key = fill[:req.prefix_match_len()]
+        prefix, node = self.tree.match_prefix(key)
+        shared, _ = in_batch.match_prefix(key)
         extra = len(shared) - len(prefix)
         if extra > 0 and extra >= min(self.config.in_batch_prefix_threshold, len(fill) - 1 - len(prefix)):
             return None  # computed by a request already in this batch: wait and reuse its cache entry
@@ -351,10 +355,27 @@ class Scheduler(WeightUpdateMixin):
             ids.extend(req.fill_ids[req.kv_len:req.kv_len + n])
             pos.extend(range(req.kv_len, req.kv_len + n))
             slots.append(self.req_pool.slots(req.pool_row, req.kv_len + n)[req.kv_len:])
+        want, lp_reqs = self._prompt_logprobs_request(reqs, lens)
         inputs = StepInput(ForwardMode.EXTEND, [r.pool_row for r in reqs], ids, pos, torch.cat(slots),
-                           [r.kv_len + n for r, n in zip(reqs, lens)], lens)
+                           [r.kv_len + n for r, n in zip(reqs, lens)], lens, want)
         sampled = [r for r, n in zip(reqs, lens) if r.kv_len + n == r.seq_len]
-        return self.launch(reqs, inputs, sampled)
+        return self.launch(reqs, inputs, sampled, lp_reqs)
+
+    @staticmethod
+    def _prompt_logprobs_request(reqs: list[Req], lens: list[int]
+                                 ) -> tuple[PromptLogprobsRequest | None, list[tuple[Req, int]]]:
+        """The prompt logprobs an extend step over ``reqs`` (``lens`` new tokens each) computes: rows of the
+        step's flattened tokens whose logits give a prompt token's logprob, and which request gets them."""
+        indices, targets, lp_reqs, k, offset = [], [], [], 0, 0
+        for req, n in zip(reqs, lens):
+            positions = req.prompt_logprob_positions(req.kv_len, n)
+            if positions:
+                indices.extend(offset + p - req.kv_len for p in positions)
+                targets.extend(req.prompt_ids[p + 1] for p in positions)
+                lp_reqs.append((req, len(positions)))
+                k = max(k, req.prompt_lp_k)
+            offset += n
+        return (PromptLogprobsRequest(indices, targets, k) if indices else None), lp_reqs
 
     # ---- decode -------------------------------------------------------------------------------
 
@@ -412,6 +433,10 @@ class Scheduler(WeightUpdateMixin):
         self._last_done = now
         if out is None:
             return
+        if out.prompt_logprobs is not None:
+            self._add_prompt_logprobs(step.prompt_lp_reqs, out)
+        if out.next_token_ids is None:
+            return
         ids, lps, ranks = out.next_token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
         top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
@@ -424,6 +449,10 @@ class Scheduler(WeightUpdateMixin):
                 if self.chunked is req:
                     self.chunked = None
                 self.cache_prefix(req)
+                if req.max_output == 0:  # prefilled for its prompt logprobs only: no token
+                    self.release(req)
+                    self.finish(req, FinishReason("length"))
+                    continue
                 self.running.append(req)
             k = req.sampling.logprobs or 0
             top = list(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids is not None else None
@@ -434,6 +463,23 @@ class Scheduler(WeightUpdateMixin):
                 self.running.remove(req)
                 self.release(req)
                 self.finish(req, req.finished)
+
+    @staticmethod
+    def _add_prompt_logprobs(lp_reqs: list[tuple[Req, int]], out: StepOutput) -> None:
+        """Hand each request its rows of a step's prompt logprobs (in ``lp_reqs`` order)."""
+        plp = out.prompt_logprobs
+        lps, ranks = plp.token_logprobs.tolist(), plp.ranks.tolist()
+        top_ids = plp.top_ids.tolist() if plp.top_ids is not None else None
+        top_lps = plp.top_logprobs.tolist() if plp.top_logprobs is not None else None
+        row = 0
+        for req, count in lp_reqs:
+            rows = slice(row, row + count)
+            row += count
+            if req.finished is not None:
+                continue
+            k = req.prompt_lp_k
+            top = [list(zip(i[:k], v[:k])) for i, v in zip(top_ids[rows], top_lps[rows])] if k and top_ids else None
+            req.add_prompt_logprobs(lps[rows], ranks[rows], top)
 
     def _sampling_row(self, req: Req) -> SamplingRow:
         return SamplingRow(params=req.sampling, seed=req.seed, output_len=len(req.output_ids) + req.pending,
@@ -507,13 +553,17 @@ class Scheduler(WeightUpdateMixin):
             spec = DecodeSpec(p.skip_special_tokens, p.spaces_between_special_tokens, p.stop,
                               p.include_stop_str_in_output, req.prompt_ids[-6:])
         req.sent = end
+        prompt_lps = None
+        if start == 0 and req.prompt_lp_k is not None:
+            prompt_lps = PromptLogprobsOut(req.prompt_lp_first, req.prompt_lps, req.prompt_lp_ranks,
+                                           req.prompt_lp_top if req.prompt_lp_k else None)
         return TokenOut(
             rid=req.rid, token_ids=req.output_ids[start:end],
             logprobs=req.logprobs[start:end] if req.wants_logprobs else None,
             top_logprobs=req.top_logprobs[start:end] if p.logprobs else None,
             ranks=req.ranks[start:end] if req.wants_logprobs else None,
             finished=req.finished, prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
-            completion_tokens=end, weight_version=self.weight_version, spec=spec)
+            completion_tokens=end, weight_version=self.weight_version, spec=spec, prompt_logprobs=prompt_lps)
 
     @property
     def tokenizer(self) -> Any:

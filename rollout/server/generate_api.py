@@ -6,7 +6,10 @@
 (``{"type": "length", "length"}``, ``{"type": "stop", "matched"}`` or ``{"type": "abort", ...}``),
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_version``, ``e2e_latency`` and,
 with ``return_logprob``, ``output_token_logprobs`` (``[logprob, token_id, text or null]`` per token) and
-``output_top_logprobs``. Streams send the cumulative state of one (prompt, sample) per event, as SGLang does.
+``output_top_logprobs``; with ``logprob_start_len`` >= 0 also ``input_token_logprobs`` and
+``input_top_logprobs`` for the prompt tokens from that position on, the first entry's logprob null (SGLang's
+shape). Streams send the cumulative state of one (prompt, sample) per event, as SGLang does. A prompt plus
+``max_new_tokens`` longer than the context is a 400.
 """
 
 from __future__ import annotations
@@ -87,9 +90,8 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
 def _job(body: GenerateRequest) -> GenJob:
     if (body.text is None) == (body.input_ids is None):
         raise APIError(400, "pass exactly one of 'text' and 'input_ids'", "text")
-    if body.logprob_start_len != -1:
-        raise APIError(400, "prompt (input) logprobs are not supported: use logprob_start_len=-1",
-                       "logprob_start_len")
+    if body.logprob_start_len != -1 and not body.return_logprob:
+        raise APIError(400, "logprob_start_len needs return_logprob=true", "logprob_start_len")
     texts = ids = None
     if body.text is not None:
         texts = [body.text] if isinstance(body.text, str) else list(body.text)
@@ -108,8 +110,10 @@ def _job(body: GenerateRequest) -> GenJob:
         values = dict(values)
         if body.return_logprob:
             values["logprobs"] = body.top_logprobs_num
+            if body.logprob_start_len >= 0:
+                values.update(prompt_logprobs=body.top_logprobs_num, logprob_start_len=body.logprob_start_len)
         params.append(sampling_params(values))
-    return GenJob(texts, ids, params, request_ids("", count, body.rid))
+    return GenJob(texts, ids, params, request_ids("", count, body.rid), length_param="sampling_params.max_new_tokens")
 
 
 # ---- engine output → SGLang JSON ------------------------------------------------------------------
@@ -127,6 +131,7 @@ class _GenerateView:
         self.single = job.size == 1 and job.params[0].n == 1 and not isinstance(body.text, list) \
             and not (body.input_ids and isinstance(body.input_ids[0], list))
         self.so_far: dict[tuple[str, int], CompletionOutput] = {}
+        self.prompt_lps: dict[str, list[Any] | None] = {}  # request id → prompt logprobs (a stream's first chunk)
 
     def item(self, out: RequestOutput, c: CompletionOutput, index: int | None = None) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -140,6 +145,8 @@ class _GenerateView:
                                                                                     c.token_ids)]
             if self.body.top_logprobs_num:
                 meta["output_top_logprobs"] = [self._top(entry) for entry in c.logprobs or []]
+            if self.body.logprob_start_len >= 0:
+                meta.update(self._input_logprobs(out))
         item = {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
         if index is not None:
             item["index"] = index
@@ -161,6 +168,20 @@ class _GenerateView:
             index = self.index[chunk.request_id] * self.n[chunk.request_id] + c.index
             events.append(self.item(chunk, acc, index))
         return events
+
+    def _input_logprobs(self, out: RequestOutput) -> dict[str, Any]:
+        """SGLang's ``input_token_logprobs`` (and ``input_top_logprobs``): an entry per prompt token from
+        ``logprob_start_len`` on, the first with a null logprob."""
+        if out.prompt_logprobs is not None:
+            self.prompt_lps[out.request_id] = out.prompt_logprobs
+        entries = self.prompt_lps.get(out.request_id) or [None] * len(out.prompt_token_ids)
+        start = self.body.logprob_start_len
+        ids, entries = out.prompt_token_ids[start:], [None] + entries[start + 1:]
+        meta: dict[str, Any] = {"input_token_logprobs": [[e[t].logprob if e else None, t, self._text(t)]
+                                                         for t, e in zip(ids, entries)]}
+        if self.body.top_logprobs_num:
+            meta["input_top_logprobs"] = [self._top(e) if e else None for e in entries]
+        return meta
 
     def _text(self, token_id: int) -> str | None:
         if not self.body.return_text_in_logprobs or self.tokenizer is None:

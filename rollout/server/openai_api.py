@@ -5,7 +5,10 @@ events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a last 
 Responses carry ``usage`` (with ``prompt_tokens_details.cached_tokens``) and ``weight_version``; with
 ``return_token_ids`` each choice also has ``token_ids`` and ``prompt_token_ids``. Logprobs are raw (the
 model's own distribution) unless ``logprobs_mode="processed"``. A null ``max_tokens`` (and a chat request
-without one) generates until EOS or the context is full.
+without one) generates until EOS or the context is full; a prompt plus ``max_tokens`` longer than the
+context is a 400. ``/v1/completions`` takes ``echo``: each choice's text (and, with ``logprobs``, its
+logprobs object) starts with the prompt's, the first prompt token's logprob null; ``max_tokens`` may be 0
+to score a prompt (lm-evaluation-harness's loglikelihood requests).
 """
 
 from __future__ import annotations
@@ -50,16 +53,15 @@ async def list_models(request: Request) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
     _check_common(state, body)
-    for name, bad in (("echo", body.echo), ("suffix", body.suffix is not None),
-                      ("best_of", body.best_of not in (None, body.n))):
+    for name, bad in (("suffix", body.suffix is not None), ("best_of", body.best_of not in (None, body.n))):
         if bad:
             raise APIError(400, f"{name} is not supported", name)
     texts, ids = _completion_prompts(body.prompt)
-    # null max_tokens: until the context is full (the engine stops there)
-    max_tokens = body.max_tokens if body.max_tokens is not None else state.require_engine().context_len
-    params = _params(body, max_tokens, body.logprobs)
+    params = _params(body, body.max_tokens, body.logprobs,
+                     prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
     count = len(texts or ids)
-    job = GenJob(texts, ids, [params] * count, _rids(body, "cmpl-", count))
+    # null max_tokens: until the context is full
+    job = GenJob(texts, ids, [params] * count, _rids(body, "cmpl-", count), to_context=body.max_tokens is None)
     view = _View(state, body, job, "text_completion", chat=False)
     return await _respond(state, request, body, job, view)
 
@@ -80,11 +82,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is None:
-        max_tokens = max(engine.context_len - len(prompt), 0)
     k = (body.top_logprobs or 0) if body.logprobs else None
     params = _params(body, max_tokens, k)
-    job = GenJob(None, [prompt], [params], _rids(body, "chatcmpl-", 1))
+    job = GenJob(None, [prompt], [params], _rids(body, "chatcmpl-", 1), to_context=max_tokens is None,
+                 length_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
     view = _View(state, body, job, "chat.completion", chat=True)
     return await _respond(state, request, body, job, view)
 
@@ -143,11 +144,13 @@ def _completion_prompts(prompt: Any) -> tuple[list[str] | None, list[list[int]] 
     return None, [list(p) for p in prompt]
 
 
-def _params(body: OpenAICommon, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _params(body: OpenAICommon, max_tokens: int | None, logprobs: int | None,
+            prompt_logprobs: int | None = None) -> SamplingParams:
     values = {name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name) is not None}
     if max_tokens is not None:
         values["max_tokens"] = max_tokens
     values["logprobs"] = logprobs
+    values["prompt_logprobs"] = prompt_logprobs
     return sampling_params(values, param="request")
 
 
@@ -172,6 +175,9 @@ class _View:
         self.n = body.n
         self.logprobs = body.logprobs if not chat else ((body.top_logprobs or 0) if body.logprobs else None)
         self.token_ids = body.return_token_ids
+        self.echo = not chat and body.echo
+        self.echoed: set[int] = set()
+        self.prompt_lps: dict[str, list[Any] | None] = {}  # request id → prompt logprobs (a stream's first chunk)
         self.prompt_index = {rid: i for i, rid in enumerate(job.rids)}
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}
@@ -236,8 +242,9 @@ class _View:
                 {"role": "assistant", "content": c.text}
             choice["logprobs"] = self._chat_logprobs(c) if self.logprobs is not None else None
         else:
-            choice["text"] = c.text
-            choice["logprobs"] = self._completion_logprobs(index, c) if self.logprobs is not None else None
+            echo = self._echo(out, index)
+            choice["text"] = (echo[0] if echo else "") + c.text
+            choice["logprobs"] = self._completion_logprobs(index, c, echo) if self.logprobs is not None else None
         choice["finish_reason"] = c.finish_reason
         choice["stop_reason"] = c.stop_reason
         if self.token_ids:
@@ -268,18 +275,37 @@ class _View:
                          if lp.rank is not None and lp.rank <= (self.logprobs or 0)))
         return [(tid, lp) for _, tid, lp in ranked]
 
-    def _completion_logprobs(self, index: int, c: CompletionOutput) -> dict[str, Any]:
-        tokens = [self._text(t) for t in c.token_ids]
+    def _echo(self, out: RequestOutput, index: int) -> tuple[str, list[int], list[Any]] | None:
+        """With ``echo``, for a choice's first chunk: the prompt's text, token ids and logprob entries (None
+        for the first token; entries of None when logprobs were not asked for)."""
+        if out.prompt_logprobs is not None:
+            self.prompt_lps[out.request_id] = out.prompt_logprobs
+        if not self.echo or index in self.echoed:
+            return None
+        self.echoed.add(index)
+        ids = out.prompt_token_ids
+        text = out.prompt if out.prompt is not None else self.tokenizer.decode(ids) if self.tokenizer else ""
+        return text, ids, self.prompt_lps.get(out.request_id) or [None] * len(ids)
+
+    def _completion_logprobs(self, index: int, c: CompletionOutput,
+                             echo: tuple[str, list[int], list[Any]] | None) -> dict[str, Any]:
+        """OpenAI's legacy logprobs object; with ``echo``, the prompt's tokens come first (the first one
+        with null logprobs)."""
+        prompt_ids, prompt_entries = (echo[1], echo[2]) if echo else ([], [])
+        ids = list(prompt_ids) + list(c.token_ids)
+        tokens = [self._text(t) for t in ids]
         offsets, pos = [], self.offsets.get(index, 0)
         for tok in tokens:
             offsets.append(pos)
             pos += len(tok)
         self.offsets[index] = pos
+        token_lps = [e[t].logprob if e else None for t, e in zip(prompt_ids, prompt_entries)]
+        token_lps += list(c.token_logprobs or [])
         top = None
         if self.logprobs:
-            top = [{self._text(t): lp for t, lp in self._top(entry)} for entry in c.logprobs or []]
-        return {"tokens": tokens, "token_logprobs": list(c.token_logprobs or []), "top_logprobs": top,
-                "text_offset": offsets}
+            top = [{self._text(t): lp for t, lp in self._top(entry)} if entry else None
+                   for entry in list(prompt_entries) + list(c.logprobs or [])]
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top, "text_offset": offsets}
 
     def _chat_logprobs(self, c: CompletionOutput) -> dict[str, Any]:
         content = []

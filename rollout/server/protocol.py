@@ -113,7 +113,7 @@ class GenerateRequest(Body):
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
-    logprob_start_len: int = -1
+    logprob_start_len: int = Field(default=-1, ge=-1)
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None

@@ -24,17 +24,44 @@ from rollout.server.streaming import AbortingStreamResponse, ClientGone, cancel_
 @dataclass
 class GenJob:
     """One HTTP request as Engine input: text prompts or token-id prompts, with one SamplingParams and
-    one request id per prompt."""
+    one request id per prompt. ``to_context``: the client left the output length open (null
+    ``max_tokens``), so each prompt generates until the context is full."""
 
     texts: list[str] | None
     token_ids: list[list[int]] | None
     params: list[SamplingParams]
     rids: list[str]
+    to_context: bool = False
+    length_param: str = "max_tokens"
     started: float = field(default_factory=time.monotonic)
 
     @property
     def size(self) -> int:
         return len(self.rids)
+
+    def engine_inputs(self, engine: Any) -> tuple[list[dict[str, Any]], list[SamplingParams]]:
+        """Each prompt as the Engine takes it (``{"prompt", "prompt_token_ids"}``, text prompts tokenized here)
+        and its SamplingParams. A prompt plus ``max_tokens`` longer than the context is a 400, as vLLM and
+        SGLang answer (the Python API instead ends such a request at the context's end)."""
+        try:
+            ids = self.token_ids or [engine.tokenizer_manager.tokenize(t) for t in self.texts]
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from None
+        texts = self.texts or [None] * len(ids)
+        context, params = engine.context_len, []
+        for prompt, p in zip(ids, self.params):
+            if self.to_context:
+                try:
+                    p = p.clone(max_new_tokens=max(context - len(prompt), 0))
+                except ValueError as e:
+                    raise APIError(400, str(e), self.length_param) from None
+            elif len(prompt) + p.max_new_tokens > context:
+                raise APIError(400, f"This model's maximum context length is {context} tokens. However, you "
+                               f"requested {len(prompt) + p.max_new_tokens} tokens ({len(prompt)} in the prompt, "
+                               f"{p.max_new_tokens} in the completion). Please reduce the length of the prompt "
+                               f"or of {self.length_param}.", self.length_param)
+            params.append(p)
+        return [{"prompt": t, "prompt_token_ids": list(i)} for t, i in zip(texts, ids)], params
 
 
 def request_ids(prefix: str, count: int, given: str | list[str] | None = None) -> list[str]:
@@ -55,16 +82,18 @@ def sampling_params(values: dict[str, Any], param: str = "sampling_params") -> S
     try:
         return SamplingParams.from_any(values)
     except (ValueError, TypeError) as e:
-        raise APIError(400, f"invalid {param}: {e}", param) from None
+        name = str(e).split(" ", 1)[0]  # SamplingParams' messages start with the field's name
+        where = param if name not in values else name if param == "request" else f"{param}.{name}"
+        raise APIError(400, f"invalid {param}: {e}", where) from None
 
 
 async def run_job(state: ServerState, request: Request, job: GenJob) -> list[RequestOutput]:
     """Generate everything; abort if the client disconnects first (then ClientGone)."""
     engine = state.require_engine()
+    prompts, params = job.engine_inputs(engine)
     state.inflight.update(job.rids)
     try:
-        outs = await cancel_on_disconnect(request, engine.async_generate(
-            job.texts, job.params, prompt_token_ids=job.token_ids, request_id=job.rids))
+        outs = await cancel_on_disconnect(request, engine.async_generate(prompts, params, request_id=job.rids))
     except ClientGone:
         state.metrics.disconnects.inc()
         raise
@@ -81,9 +110,9 @@ async def run_job(state: ServerState, request: Request, job: GenJob) -> list[Req
 async def open_stream(state: ServerState, job: GenJob) -> AsyncIterator[RequestOutput]:
     """Validate and submit now (a bad request is an APIError before any event is sent); iterate later."""
     engine = state.require_engine()
+    prompts, params = job.engine_inputs(engine)
     try:
-        stream = await engine.async_generate(job.texts, job.params, prompt_token_ids=job.token_ids,
-                                             request_id=job.rids, stream=True)
+        stream = await engine.async_generate(prompts, params, request_id=job.rids, stream=True)
     except (ValueError, RuntimeError) as e:
         raise from_engine_error(e) from None
     state.inflight.update(job.rids)
