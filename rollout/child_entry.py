@@ -21,6 +21,7 @@ import threading
 import time
 
 WATCH_INTERVAL_S = 0.2
+PARENT_PID_ENV = "ROLLOUT_PARENT_PID"  # set in each child: the pid of the engine's process
 
 
 def watch_parent(parent_pid: int, interval_s: float = WATCH_INTERVAL_S) -> None:
@@ -41,9 +42,17 @@ def watch_parent(parent_pid: int, interval_s: float = WATCH_INTERVAL_S) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
+def orphaned() -> bool:
+    """In an engine subprocess: its parent (the engine's process) is gone, so it is about to exit; an error
+    seen now is a consequence (a peer rank exited first), not worth reporting."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    return parent is not None and os.getppid() != int(parent)
+
+
 def main(argv: list[str] | None = None) -> None:
     parent_pid, boot_fd, ready_fd = (int(a) for a in (argv or sys.argv[1:])[:3])
     watch_parent(parent_pid)
+    os.environ[PARENT_PID_ENV] = str(parent_pid)
     # Ctrl-C reaches the whole process group; the parent shuts its children down itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with os.fdopen(boot_fd, "rb") as f:

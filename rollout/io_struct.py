@@ -49,6 +49,12 @@ class ShutdownReq:
 
 
 @dataclass
+class ExpireUpdateSession:
+    """Rank 0 found the open weight-update session abandoned (no update call within its group's timeout);
+    sent to every TP rank with the received messages, so all ranks act on it at the same point."""
+
+
+@dataclass
 class FinishReason:
     """``type`` is "stop", "length" or "abort"; ``matched`` the stop token id or stop string."""
 

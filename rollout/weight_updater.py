@@ -108,6 +108,7 @@ class WeightUpdater:
     group_timeouts: dict[str, float] = field(default_factory=dict)
     session: set[str] = field(default_factory=set)
     session_deadline: float | None = None
+    session_group: str | None = None   # the group whose trainer the open session waits for
     inconsistent: str | None = None
     backup: dict[str, torch.Tensor] | None = None
     last_group: str | None = None
@@ -213,8 +214,15 @@ class WeightUpdater:
             self.session.add(self.weight_map.canonical(name))
 
     def touch_deadline(self, group_name: str | None) -> None:
+        """An update call just loaded tensors: an open session now expires one group timeout from now."""
         timeout = self.group_timeouts.get(group_name or "", 600.0)
         self.session_deadline = time.monotonic() + timeout if self.session else None
+        self.session_group = group_name if self.session else None
+
+    def session_expired(self) -> bool:
+        """An open session's trainer sent nothing for its group timeout (rank 0 decides; see
+        ``ExpireUpdateSession``)."""
+        return self.session_deadline is not None and time.monotonic() > self.session_deadline
 
     @property
     def covers_all(self) -> bool:

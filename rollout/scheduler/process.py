@@ -10,9 +10,10 @@ from typing import Any
 import torch
 import zmq
 
+from rollout.child_entry import orphaned
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
-from rollout.io_struct import ControlReply, SchedulerError, ShutdownReq
+from rollout.io_struct import ControlReply, ExpireUpdateSession, SchedulerError, ShutdownReq
 from rollout.ipc import IPCPaths, socket
 from rollout.logging_utils import configure, dump_stacks_periodically
 from rollout.scheduler.scheduler import Scheduler
@@ -76,7 +77,8 @@ class SchedulerLoop:
         self.scheduler = Scheduler(config, model_cfg, tp, device, send_output=send, send_reply=self._reply)
 
     def receive(self) -> list[Any]:
-        """All pending messages; rank 0 waits up to 1 s for one when idle, then shares them."""
+        """All pending messages; rank 0 waits up to 1 s for one when idle, then shares them (with an
+        ``ExpireUpdateSession`` when the open update session has timed out: checked here, busy or idle)."""
         msgs: list[Any] = []
         if self.tp.rank == 0:
             timeout = 0 if self.scheduler.busy else 1000
@@ -86,6 +88,8 @@ class SchedulerLoop:
                         msgs.append(self.recv.recv_pyobj(zmq.NOBLOCK))
                     except zmq.Again:
                         break
+            if self.scheduler.updater.session_expired():
+                msgs.append(ExpireUpdateSession())
         return self.tp.broadcast_object(msgs)
 
     def run(self) -> None:
@@ -98,6 +102,8 @@ class SchedulerLoop:
                 else:
                     self.scheduler.emit()
         except BaseException as e:  # noqa: BLE001
+            if orphaned():  # the engine's process died and a peer rank exited first: exit quietly
+                os._exit(0)
             logger.exception("scheduler failed")
             if self.to_tokenizer is not None:
                 self.to_tokenizer.send_pyobj(SchedulerError(f"TP rank {self.tp.rank}: {type(e).__name__}: {e}"))

@@ -16,8 +16,8 @@ import torch
 
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
-from rollout.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq, DecodeSpec, FinishReason,
-                               GenerateReq, PromptLogprobsOut, ShutdownReq, TokenOut)
+from rollout.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq, DecodeSpec, ExpireUpdateSession,
+                               FinishReason, GenerateReq, PromptLogprobsOut, ShutdownReq, TokenOut)
 from rollout.layers.sampler import SamplingBatchInfo, SamplingRow
 from rollout.mem_cache.radix_cache import RadixCache
 from rollout.model_executor.forward_batch import ForwardMode
@@ -109,6 +109,8 @@ class Scheduler(WeightUpdateMixin):
                 self.pending_updates.append(msg)
             else:
                 self.reply(self.run_control(msg))
+        elif isinstance(msg, ExpireUpdateSession):
+            self.expire_session()
         elif isinstance(msg, ShutdownReq):
             self.stopped = True
 

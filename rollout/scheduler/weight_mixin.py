@@ -45,14 +45,25 @@ class WeightUpdateMixin:
             self.reply(self.run_control(self.pending_updates.popleft()))
 
     def check_weight_state(self) -> None:
-        """Fail queued requests while the weights are inconsistent; expire an abandoned session."""
-        up = self.updater
-        if up.state == "updating" and up.session_deadline is not None and time.monotonic() > up.session_deadline:
-            up.mark_inconsistent("the update session was abandoned (no update call within the group timeout)")
-        if up.state == "inconsistent":
+        """Fail queued requests while the weights are inconsistent."""
+        if self.updater.state == "inconsistent":
             for req in list(self.waiting):
                 self.waiting.remove(req)
                 self.finish(req, FinishReason("abort", message=self.refusal(), error_type="RuntimeError"))
+
+    def expire_session(self) -> None:
+        """The open update session's trainer went silent for its group timeout: the weights are a mix, so
+        mark them inconsistent, fail the held requests with that reason, and tear down its group."""
+        up = self.updater
+        if not up.session:
+            return
+        group_name = up.session_group
+        timeout = up.group_timeouts.get(group_name or "", 600.0)
+        self._drop_group(group_name)
+        up.mark_inconsistent(f"the update session was abandoned: no update call on group {group_name!r} within its "
+                             f"timeout of {timeout:g} s (the trainer stopped or died)")
+        logger.error("%s", up.inconsistent)
+        self.check_weight_state()
 
     def refusal(self) -> str:
         return f"the engine refuses to generate: {self.updater.inconsistent}"
@@ -254,13 +265,19 @@ class WeightUpdateMixin:
         self.tree = RadixCache(self.allocator.free, disabled=self.config.disable_radix_cache,
                                page_size=self.config.page_size)
 
-    def _transfer_failed(self, group_name: str, message: str) -> None:
+    def _drop_group(self, group_name: str | None) -> None:
+        """Forget and tear down a group whose trainer is gone (nothing more can travel on it)."""
         from weight_sync.group import destroy_process_group
 
         group = self.updater.groups.pop(group_name, None)
         self.updater.group_timeouts.pop(group_name, None)
+        if self.updater.last_group == group_name:
+            self.updater.last_group = next(iter(self.updater.groups), None)
         if group is not None:
             destroy_process_group(group)
+
+    def _transfer_failed(self, group_name: str, message: str) -> None:
+        self._drop_group(group_name)
         if self.updater.session:
             self.updater.mark_inconsistent(f"a transfer failed mid-update ({message})")
         logger.error("weight transfer on group %r failed: %s", group_name, message)
