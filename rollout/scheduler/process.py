@@ -28,12 +28,21 @@ def _device(config: EngineConfig, rank: int) -> torch.device:
     return dev
 
 
+def cpu_threads(tp_size: int) -> int:
+    """Torch threads of each CPU scheduler: the usable cores less one (kept for the tokenizer manager, the
+    detokenizer and the caller, e.g. a trainer), split over the TP ranks; at least 1. OpenMP threads spin
+    while they wait, so threads beyond the free cores make every step wait on a descheduled thread
+    (measurements: docs/benchmarks.md, "CPU threads")."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, (cores - 1) // tp_size)
+
+
 def run_scheduler_process(config: EngineConfig, paths: IPCPaths, rank: int, ready: Any) -> None:
     """Build the scheduler, report readiness (or the start-up error) on ``ready``, then serve."""
     configure(config.log_level, f"TP{rank}")
     dump_stacks_periodically()
     if config.resolved_device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
+        torch.set_num_threads(cpu_threads(config.tp_size))
     ctx = zmq.Context()
     try:
         device = _device(config, rank)
