@@ -54,11 +54,13 @@ class StepInput:
 @dataclass
 class PromptLogprobsRequest:
     """Prompt logprobs wanted from an extend step: for each of ``indices`` (into the step's flattened tokens),
-    the logprob of the token at the next position, ``targets``; with the top ``top_k`` alternatives."""
+    the logprob of the token at the next position, ``targets``; with the top ``top_k`` alternatives.
+    ``counts[i]`` of the rows belong to the step's request ``i`` (in order)."""
 
     indices: list[int]
     targets: list[int]
     top_k: int
+    counts: list[int]
 
 
 @dataclass

@@ -228,10 +228,8 @@ class Scheduler(WeightUpdateMixin):
             launched, self.in_flight = self.in_flight, None
             self.process_results(launched)
 
-    def launch(self, reqs: list[Req], inputs: StepInput, sampled: list[Req],
-               prompt_lp_reqs: list[tuple[Req, int]] | None = None) -> LaunchedStep:
-        """Queue the forward of ``inputs`` and sampling for ``sampled`` (a subset of ``reqs``, in order);
-        ``prompt_lp_reqs`` lists the requests (with their row counts) of ``inputs.prompt_logprobs``."""
+    def launch(self, reqs: list[Req], inputs: StepInput, sampled: list[Req]) -> LaunchedStep:
+        """Queue the forward of ``inputs`` and sampling for ``sampled`` (a subset of ``reqs``, in order)."""
         chosen = {id(r) for r in sampled}
         index = [i for i, r in enumerate(reqs) if id(r) in chosen]
         info = self._sampling_info(sampled, inputs.mode) if sampled else None
@@ -239,8 +237,10 @@ class Scheduler(WeightUpdateMixin):
             req.kv_len += n
         for req in sampled:
             req.pending += 1
+        want = inputs.prompt_logprobs
+        prompt_lp_reqs = [(r, n) for r, n in zip(reqs, want.counts) if n] if want is not None else []
         start = time.perf_counter()
-        return LaunchedStep(inputs, sampled, self.runner.run_step(inputs, index, info), start, prompt_lp_reqs or [])
+        return LaunchedStep(inputs, sampled, self.runner.run_step(inputs, index, info), start, prompt_lp_reqs)
 
     def _sampling_info(self, sampled: list[Req], mode: ForwardMode) -> SamplingBatchInfo:
         """Sampling tensors for ``sampled`` (before their ``pending`` counts move). A decode step over the
@@ -357,27 +357,25 @@ class Scheduler(WeightUpdateMixin):
             ids.extend(req.fill_ids[req.kv_len:req.kv_len + n])
             pos.extend(range(req.kv_len, req.kv_len + n))
             slots.append(self.req_pool.slots(req.pool_row, req.kv_len + n)[req.kv_len:])
-        want, lp_reqs = self._prompt_logprobs_request(reqs, lens)
         inputs = StepInput(ForwardMode.EXTEND, [r.pool_row for r in reqs], ids, pos, torch.cat(slots),
-                           [r.kv_len + n for r, n in zip(reqs, lens)], lens, want)
+                           [r.kv_len + n for r, n in zip(reqs, lens)], lens, self._prompt_logprobs_request(reqs, lens))
         sampled = [r for r, n in zip(reqs, lens) if r.kv_len + n == r.seq_len]
-        return self.launch(reqs, inputs, sampled, lp_reqs)
+        return self.launch(reqs, inputs, sampled)
 
     @staticmethod
-    def _prompt_logprobs_request(reqs: list[Req], lens: list[int]
-                                 ) -> tuple[PromptLogprobsRequest | None, list[tuple[Req, int]]]:
+    def _prompt_logprobs_request(reqs: list[Req], lens: list[int]) -> PromptLogprobsRequest | None:
         """The prompt logprobs an extend step over ``reqs`` (``lens`` new tokens each) computes: rows of the
-        step's flattened tokens whose logits give a prompt token's logprob, and which request gets them."""
-        indices, targets, lp_reqs, k, offset = [], [], [], 0, 0
+        step's flattened tokens whose logits give a prompt token's logprob (None when there are none)."""
+        indices, targets, counts, k, offset = [], [], [], 0, 0
         for req, n in zip(reqs, lens):
             positions = req.prompt_logprob_positions(req.kv_len, n)
+            indices.extend(offset + p - req.kv_len for p in positions)
+            targets.extend(req.prompt_ids[p + 1] for p in positions)
+            counts.append(len(positions))
             if positions:
-                indices.extend(offset + p - req.kv_len for p in positions)
-                targets.extend(req.prompt_ids[p + 1] for p in positions)
-                lp_reqs.append((req, len(positions)))
                 k = max(k, req.prompt_lp_k)
             offset += n
-        return (PromptLogprobsRequest(indices, targets, k) if indices else None), lp_reqs
+        return PromptLogprobsRequest(indices, targets, k, counts) if indices else None
 
     # ---- decode -------------------------------------------------------------------------------
 
