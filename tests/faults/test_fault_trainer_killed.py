@@ -8,6 +8,7 @@ import multiprocessing as mp
 import queue
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -72,8 +73,10 @@ def test_trainer_stopped_at_any_point_never_hangs_the_engine(tiny_dir, hf_refere
                 engine.destroy_process_group("g")
         else:
             # a request sent now is held by the open session, then fails with the reason, in time
+            held = ThreadPoolExecutor(1).submit(engine.generate, prompt_token_ids=CHECK_PROMPTS[:1],
+                                                sampling_params=GREEDY, use_tqdm=False)
             with pytest.raises(RuntimeError, match="refuses to generate.*(abandoned|failed mid-update)"):
-                engine.generate(prompt_token_ids=CHECK_PROMPTS[:1], sampling_params=GREEDY, use_tqdm=False)
+                held.result(timeout=GROUP_TIMEOUT_S + 5.0)  # a TimeoutError here: the engine still holds it
             waited = time.monotonic() - stopped
             assert waited < GROUP_TIMEOUT_S + 5.0, f"the held request failed only after {waited:.1f} s"
             state = engine.get_weight_state()
