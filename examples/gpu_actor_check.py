@@ -29,10 +29,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import socket
 import sys
 import time
 from typing import Any
+
+from rollout.ipc import free_port
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 7 times 8?",
              "Write a haiku about the sea.", "Who wrote Romeo and Juliet?", "How many legs does a spider have?"]
@@ -50,10 +51,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_step(model: Any, tok: Any, lr: float, seed: int) -> float:
@@ -79,7 +76,7 @@ def check(actor: Any, model: Any, tok: Any, args: argparse.Namespace, engine_dty
     """Fingerprint equality and greedy parity (with the near-tie rule) against transformers."""
     import weight_sync
     from trainer_adapters import get
-    from weight_sync.reference import greedy_gaps, hf_greedy
+    from weight_sync.hf_compare import greedy_gaps, hf_greedy
 
     served = model if next(model.parameters()).dtype == engine_dtype else copy.deepcopy(model).to(engine_dtype)
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]

@@ -27,12 +27,13 @@ from __future__ import annotations
 import argparse
 import random
 import re
-import socket
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
+
+from rollout.ipc import free_port
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -145,10 +146,6 @@ def grpo_minibatch(model, optimizer, samples: list[Sample], args, pad_id: int) -
 
 # ---- the loop -----------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,8 +20,8 @@ import torch
 
 
 def check_attention() -> None:
-    from rollout.attention.flashinfer_backend import FlashInferBackend
-    from rollout.attention.torch_native import TorchNativeBackend
+    from rollout.attention.common import AttentionSpec
+    from rollout.attention.registry import create_attention_backend
     from rollout.layers.attention import Attention
     from rollout.mem_cache.kv_pool import KVPool, ReqToTokenPool
     from rollout.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -31,6 +31,8 @@ def check_attention() -> None:
         layer = Attention(0, hq, hk, d, d ** -0.5)
         torch.manual_seed(0)
         seqs = [37, 512, 1, 200, 1000, 64]
+        spec = AttentionSpec(hq, hk, d, d ** -0.5, dtype, kv_dtype, dev, max_batch_size=len(seqs),
+                             max_context_len=max(seqs) + 1)
         prefixes = [0, 300, 0, 150, 900, 63]  # cached tokens before this step (prefix hits / earlier chunks)
         pool = KVPool(sum(seqs) + 16, 1, hk, d, kv_dtype, dev)
         table = ReqToTokenPool(len(seqs), max(seqs) + 1, dev)
@@ -48,10 +50,10 @@ def check_attention() -> None:
             q = torch.randn(t, hq, d, device=dev, dtype=dtype)
             k = torch.randn(t, hk, d, device=dev, dtype=dtype)
             v = torch.randn(t, hk, d, device=dev, dtype=dtype)
-            backends = {"torch_native": TorchNativeBackend()}
+            backends = {"torch_native": create_attention_backend(spec, "torch_native")}
             for decode in ("flashinfer", "triton") if mode == ForwardMode.DECODE else ("flashinfer",):
-                backends[f"{decode} decode" if mode == ForwardMode.DECODE else "flashinfer"] = FlashInferBackend(
-                    hq, hk, d, d ** -0.5, dtype, dev, 1 << 16, kv_dtype=kv_dtype, decode_backend=decode)
+                backends[f"{decode} decode" if mode == ForwardMode.DECODE else "flashinfer"] = \
+                    create_attention_backend(spec, "flashinfer", decode)
             outs = {}
             for name, backend in backends.items():
                 fb = ForwardBatch(mode, torch.zeros(t, dtype=torch.int64, device=dev), torch.zeros(t, device=dev),

@@ -5,7 +5,7 @@ A random float32 checkpoint (hidden 1024, 4 layers); the engine runs on CUDA wit
 ``quantization="fp8"``, CUDA graphs on, torch-native attention (FlashInfer has no float32), with 1, 16
 and 64 requests so decode uses the Triton fp8 GEMM (<= 16 tokens) and ``torch._scaled_mm`` (above),
 prefill always the latter. transformers has its projections replaced by
-``weight_sync.reference.fp8_quantized_projections`` and runs in float64 (the exact reference) and
+``tests/reference.py``'s ``fp8_quantized_projections`` and runs in float64 (the exact reference) and
 float32. fp8 activation rounding makes the network chaotic (a 1e-7 change can flip a rounding), so the
 verdict is relative: the engine's logprobs must be no further from float64 than ``--factor`` times
 float32 transformers' (plus ``--tolerance``). Exits 1 otherwise.
@@ -30,7 +30,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from rollout import Engine, SamplingParams
-    from weight_sync.reference import fp8_quantized_projections, hf_logprobs
+    from reference import fp8_quantized_projections, hf_logprobs
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tolerance", type=float, default=1e-3, help="absolute slack of the bound")

@@ -29,7 +29,7 @@ def _time_ms(fn, repeats: int = 50) -> float:
 
 def check_rope() -> None:
     from rollout.layers.rotary import RotaryEmbedding, rope_inv_freq
-    from rollout.layers.triton_rope import rope_and_store_kv
+    from rollout.kernels.rope import rope_and_store_kv
     from rollout.mem_cache.kv_pool import KVPool
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -62,7 +62,8 @@ def check_rope() -> None:
 
 
 def check_sampling() -> None:
-    from rollout.layers.sampler import Sampler, SamplingBatchInfo, SamplingRow
+    from rollout.layers.sampler import Sampler
+    from rollout.layers.sampling_info import SamplingBatchInfo, SamplingRow
     from rollout.sampling_params import SamplingParams
 
     dev = torch.device("cuda")

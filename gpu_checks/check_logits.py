@@ -22,10 +22,10 @@ greedy paths (same top-20 metric). Exits 1 if a relative error exceeds ``--toler
 
 With ``--kv-cache-dtype fp8_e4m3`` the engines store K/V in float8; their error against plain
 transformers is then the cost of the format, and the verdict compares them with transformers bf16
-whose attention reads K/V rounded the same way (``weight_sync.reference.rounded_kv_attention``).
+whose attention reads K/V rounded the same way (``tests/reference.py``'s ``rounded_kv_attention``).
 
 With ``--quantization fp8`` the engines store their projections in fp8 (W8A8); every transformers
-reference then computes its projections the same way (``weight_sync.reference.fp8_quantized_projections``),
+reference then computes its projections the same way (``tests/reference.py``'s ``fp8_quantized_projections``),
 and the error against plain transformers bf16 is printed as the cost of the format.
 """
 
@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/ of the checkout
 
 TOP = 20
 
@@ -59,7 +60,7 @@ def _model_path(args: argparse.Namespace) -> str:
     if args.model:
         return args.model
     if args.preset:
-        from rollout.bench import write_preset
+        from benchmarks.presets import write_preset
 
         return write_preset(args.preset)
     from tiny_models import make_tiny_checkpoint
@@ -174,7 +175,7 @@ def main() -> int:
     args = p.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from weight_sync.reference import fp8_quantized_projections
+    from reference import fp8_quantized_projections
 
     def quantized(model):
         return fp8_quantized_projections(model) if args.quantization else model
@@ -218,7 +219,7 @@ def main() -> int:
             print(f"{name} vs transformers float32: top20 rel {r['top20_rel']:.2e}, chosen rel {r['chosen_rel']:.2e}, "
                   f"max |Δ| {r['max_abs']:.3f}, argmax {r['argmax']}/{r['tokens']}", flush=True)
     if args.kv_cache_dtype != "auto":  # the same transformers model reading K/V rounded as the engine stores them
-        from weight_sync.reference import rounded_kv_attention
+        from reference import rounded_kv_attention
 
         kv = kv_cache_torch_dtype(args.kv_cache_dtype, torch.bfloat16)
         del model

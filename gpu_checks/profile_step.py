@@ -13,16 +13,21 @@ steps: 16 x 1,000 tokens), sampling each prompt's first token.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/ of the checkout
 
 
 def build(args: argparse.Namespace):
     import json
     import tempfile
 
-    from rollout.bench import model_bytes, preset_config
+    from benchmarks.memory_floor import model_bytes
+    from benchmarks.presets import preset_config
     from rollout.config import EngineConfig, ModelConfig, kv_cache_torch_dtype
     from rollout.distributed import TPGroup
     from rollout.model_executor.model_runner import ModelRunner
@@ -89,7 +94,7 @@ def main() -> None:
     p.add_argument("--decode-attention-backend", default="auto")
     p.add_argument("--page-size", type=int, default=1)
     args = p.parse_args()
-    from rollout.layers.sampler import SamplingRow
+    from rollout.layers.sampling_info import SamplingRow
     from rollout.sampling_params import SamplingParams
 
     runner, cfg, mb = build(args)

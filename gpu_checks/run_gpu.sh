@@ -48,7 +48,7 @@ case "${1:?stage}" in
     step bench-llama-3.2-1b-hf 560 python -m rollout.bench --preset llama-3.2-1b --num-prompts 256 --input-len 128 \
       --output-len 256 --hf-baseline --json "$out/bench-llama-3.2-1b-hf.json" ;;
   8b-logits)
-    step preset-8b 240 python -c "from rollout.bench import write_preset; print(write_preset('llama-3.1-8b'))"
+    step preset-8b 240 python -c "from benchmarks.presets import write_preset; print(write_preset('llama-3.1-8b'))"
     step logits-8b 320 python gpu_checks/check_logits.py --preset llama-3.1-8b --num-seqs 32 --tp-sizes 1 ;;
   8b-bench)
     step bench-8b 560 python -m rollout.bench --preset llama-3.1-8b --num-prompts 256 --input-len 1000 \
@@ -58,7 +58,7 @@ case "${1:?stage}" in
     step attention-fp8 400 python gpu_checks/check_attention_and_engine.py --part attention,decode-speed ;;
   decode-sweep)
     step triton-decode 200 python -m pytest -q -p no:cacheprovider tests/test_triton_decode.py
-    step decode-sweep 500 python gpu_checks/sweep_decode.py ;;
+    step decode-sweep 500 python tools/sweep_decode.py ;;
   8b-fp8)
     step bench-8b-fp8 400 python -m rollout.bench --preset llama-3.1-8b --num-prompts 256 --input-len 1000 \
       --output-len 1000 --batch1-steps 64 --kv-cache-dtype fp8_e4m3 --json "$out/bench-llama-3.1-8b-fp8.json" ;;
@@ -72,7 +72,7 @@ case "${1:?stage}" in
   fp8-gemm)
     step quantization 300 python -m pytest -q -p no:cacheprovider tests/test_quantization.py
     step fp8-engine 300 python gpu_checks/check_fp8_engine.py
-    step fp8-gemm 300 python gpu_checks/bench_fp8_gemm.py --sweep ;;
+    step fp8-gemm 300 python tools/bench_fp8_gemm.py --sweep ;;
   8b-w8a8)
     step bench-8b-w8a8 560 python -m rollout.bench --preset llama-3.1-8b --num-prompts 256 --input-len 1000 \
       --output-len 1000 --batch1-steps 64 --quantization fp8 --kv-cache-dtype fp8_e4m3 \
@@ -87,7 +87,7 @@ case "${1:?stage}" in
     step logits-8b-fp8 320 python gpu_checks/check_logits.py --preset llama-3.1-8b --num-seqs 32 --tp-sizes 1 \
       --kv-cache-dtype fp8_e4m3 ;;
   tp2)
-    step preset-8b 200 python -c "from rollout.bench import write_preset; print(write_preset('llama-3.1-8b'))"
+    step preset-8b 200 python -c "from benchmarks.presets import write_preset; print(write_preset('llama-3.1-8b'))"
     step logits-8b-tp2 400 python gpu_checks/check_logits.py --preset llama-3.1-8b --num-seqs 32 --tp-sizes 1,2
     step bench-8b-tp2 540 python -m rollout.bench --preset llama-3.1-8b --tp-size 2 --num-prompts 256 \
       --input-len 1000 --output-len 1000 --batch1-steps 64 --json "$out/bench-llama-3.1-8b-tp2.json" ;;

@@ -20,6 +20,8 @@ import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
 
+from rollout.dtypes import dtype_name
+
 DEFAULT_TIMEOUT_S = 3600.0
 
 
@@ -53,7 +55,7 @@ class EngineClient:
     def update_weight(self, name: str, dtype: Any, shape: Any, empty_cache: bool = False,
                       async_op: bool = False) -> Any:
         """OpenRLHF's per-tensor update (one broadcast); ``empty_cache=True`` completes the update."""
-        body = {"names": [name], "dtypes": [_dtype(dtype)], "shapes": [list(shape)], "group_name": None,
+        body = {"names": [name], "dtypes": [dtype_name(dtype)], "shapes": [list(shape)], "group_name": None,
                 "flush_cache": empty_cache}
         return self._in_order("/update_weights_from_distributed", body, async_op, _result)
 
@@ -62,7 +64,7 @@ class EngineClient:
                                         weight_version: str | None = None, load_format: str | None = None,
                                         check_finite: bool = False, async_op: bool = False) -> Any:
         """SGLang's bucketed update: the server's engine receives ``names`` broadcast by trainer rank 0."""
-        body = {"names": list(names), "dtypes": [_dtype(d) for d in dtypes], "shapes": [list(s) for s in shapes],
+        body = {"names": list(names), "dtypes": [dtype_name(d) for d in dtypes], "shapes": [list(s) for s in shapes],
                 "group_name": group_name, "flush_cache": flush_cache, "weight_version": weight_version,
                 "load_format": load_format, "check_finite": check_finite}
         return self._in_order("/update_weights_from_distributed", body, async_op, _result)
@@ -214,10 +216,6 @@ def _generate_body(text: Any, input_ids: Any, sampling_params: Any, fields: dict
         body["input_ids"] = [list(x) for x in input_ids] if input_ids and not isinstance(input_ids[0], int) \
             else list(input_ids)
     return body
-
-
-def _dtype(dtype: Any) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def _success(answer: dict[str, Any]) -> bool:

@@ -127,7 +127,7 @@ class EngineConfig:
     in the model dtype; "fp8_e4m3" / "fp8_e5m2" store them as float8 with unit scale (SGLang's and
     vLLM's option): half the KV bytes read per decode step and twice the slots, at fp8 precision.
     ``decode_attention_backend`` (SGLang's name) picks the decode kernel under the flashinfer backend:
-    "triton" (``rollout.attention.triton_decode``; "auto" picks it: faster than FlashInfer 0.6.6's on
+    "triton" (``rollout.kernels.decode_attention``; "auto" picks it: faster than FlashInfer 0.6.6's on
     H200 for bf16 and fp8 pools), "flashinfer", or "xqa" (FlashInfer's XQA kernel from TensorRT-LLM; needs
     ``page_size`` in ``XQA_PAGE_SIZES``; with a float8 pool on Hopper it also rounds q and the softmax
     weights to float8 and multiplies on float8 tensor cores, as vLLM's FA3 and TensorRT-LLM do).
@@ -171,7 +171,6 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     page_size: int = 1
     skip_tokenizer_init: bool = False
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

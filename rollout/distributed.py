@@ -87,10 +87,6 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return bool(t.item())
 
-    def barrier(self) -> None:
-        if self.size > 1:
-            dist.barrier(group=self.cpu_group)
-
     def destroy(self) -> None:
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()

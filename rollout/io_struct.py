@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rollout.sampling_params import SamplingParams
@@ -25,13 +25,145 @@ class AbortReq:
     rid: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ControlReq:
-    """A call that every TP rank runs (``op`` names a ``Scheduler.handle_<op>`` method)."""
+    """A call that every TP rank runs, answered by one ``ControlReply`` with the same ``cid`` (the
+    TokenizerManager numbers them). Each operation is a subclass; ``Scheduler.handlers`` maps it to the
+    method that runs it. Subclasses of ``ReadOnlyReq`` may run while a step is in flight; subclasses of
+    ``WeightUpdateReq`` change the weights, so they wait until no request is in flight (or generation is
+    paused) while new requests are held."""
 
-    cid: int
-    op: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    cid: int = -1
+
+
+class ReadOnlyReq(ControlReq):
+    """A control call that only reads scheduler state."""
+
+
+class WeightUpdateReq(ControlReq):
+    """A control call that writes the weights."""
+
+
+@dataclass(kw_only=True)
+class GetLoadReq(ReadOnlyReq):
+    pass
+
+
+@dataclass(kw_only=True)
+class GetStepStatsReq(ReadOnlyReq):
+    reset: bool = False
+
+
+@dataclass(kw_only=True)
+class GetWeightVersionReq(ReadOnlyReq):
+    pass
+
+
+@dataclass(kw_only=True)
+class GetWeightStateReq(ReadOnlyReq):
+    pass
+
+
+@dataclass(kw_only=True)
+class FlushCacheReq(ControlReq):
+    pass
+
+
+@dataclass(kw_only=True)
+class PauseGenerationReq(ControlReq):
+    mode: str = "abort"
+
+
+@dataclass(kw_only=True)
+class ContinueGenerationReq(ControlReq):
+    pass
+
+
+@dataclass(kw_only=True)
+class UpdateWeightVersionReq(ControlReq):
+    weight_version: str
+
+
+@dataclass(kw_only=True)
+class GetWeightsByNameReq(ControlReq):
+    name: str
+    truncate_size: int = 100
+
+
+@dataclass(kw_only=True)
+class WeightsFingerprintReq(ControlReq):
+    pass
+
+
+@dataclass(kw_only=True)
+class InitProcessGroupReq(ControlReq):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str = "nccl"
+    timeout: float | None = None
+
+
+@dataclass(kw_only=True)
+class DestroyProcessGroupReq(ControlReq):
+    group_name: str
+
+
+@dataclass(kw_only=True)
+class BenchmarkReceiveReq(ControlReq):
+    nbytes: int
+    num_chunks: int
+    group_name: str | None = None
+
+
+@dataclass(kw_only=True)
+class UpdateWeightReq(WeightUpdateReq):
+    """OpenRLHF's per-tensor update: one tensor broadcast by trainer rank 0."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    empty_cache: bool = False
+    group_name: str | None = None
+
+
+@dataclass(kw_only=True)
+class UpdateWeightsFromDistributedReq(WeightUpdateReq):
+    """SGLang's bucketed update (``load_format="flattened_bucket"``: one flat buffer)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str | None = None
+    flush_cache: bool = True
+    weight_version: str | None = None
+    load_format: str | None = None
+    check_finite: bool = False
+
+
+@dataclass(kw_only=True)
+class UpdateWeightsFromTensorReq(WeightUpdateReq):
+    """Tensors from a colocated trainer: ``payload`` is ``("cuda_ipc", [rebuild args])`` or ``("shm", name)``
+    (``rollout.weights.shared_tensors``); ``specs`` (name, dtype, shape) in payload order."""
+
+    specs: list[tuple[str, str, list[int]]]
+    payload: Any
+    flush_cache: bool = True
+    weight_version: str | None = None
+    check_finite: bool = False
+
+
+@dataclass(kw_only=True)
+class UpdateWeightsFromDiskReq(WeightUpdateReq):
+    model_path: str
+    weight_version: str | None = None
+
+
+@dataclass(kw_only=True)
+class RollbackWeightsReq(WeightUpdateReq):
+    pass
 
 
 @dataclass

@@ -1,9 +1,10 @@
-"""Per-engine IPC addresses and ZeroMQ sockets."""
+"""Per-engine IPC addresses, ZeroMQ sockets, and free TCP ports."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket as socket_module
 import tempfile
 from dataclasses import dataclass
 
@@ -52,3 +53,11 @@ def socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
         sock.setsockopt(zmq.RCVHWM, 0)
     (sock.bind if bind else sock.connect)(addr)
     return sock
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (for a weight-update group's rendezvous, or a test server): the
+    kernel picks it, so concurrent engines and tests never collide on a fixed port."""
+    with socket_module.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -9,10 +9,11 @@ weights. It reports numbers; the test decides.
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import torch
+
+from rollout.ipc import free_port
 
 CHECK_PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46], [100, 3, 250, 17], [9] * 12]
 MAX_NEW = 10
@@ -22,10 +23,6 @@ BACKENDS = ("module", "accelerate", "fsdp2", "deepspeed")
 WORLD_SIZES = {"module": 1, "accelerate": 2, "fsdp2": 2, "deepspeed": 2}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TrainerRank:
@@ -156,7 +153,7 @@ class TrainerRank:
         import ray
 
         import weight_sync
-        from weight_sync.reference import hf_greedy, hf_logprobs
+        from reference import hf_greedy, hf_logprobs
 
         ref = self._load().eval()
         ref.load_state_dict(dict(full), strict=True)

@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from tiny_models import make_tiny_checkpoint  # noqa: E402
-from weight_sync.reference import hf_greedy, hf_logprobs  # noqa: E402
+from reference import hf_greedy, hf_logprobs  # noqa: E402
 
 
 @pytest.fixture(scope="session")

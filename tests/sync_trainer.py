@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weight_sync.reference import hf_greedy, hf_logprobs
+from reference import hf_greedy, hf_logprobs
 
 CHECK_PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46], [100, 3, 250, 17], [9] * 12]
 GREEDY = dict(temperature=0.0, max_new_tokens=10, ignore_eos=True, logprobs=0)
@@ -69,7 +69,7 @@ def join_group(engines: list[Any], tp_sizes: list[int], port: int, group_name: s
 def push(mode: str, model: Any, engines: list[Any], group: Any, group_name: str) -> dict[str, Any]:
     """Push every parameter with one of the update paths; returns timing."""
     import weight_sync
-    from rollout.weight_updater import flatten
+    from rollout.weights.buckets import flatten
 
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     start = time.perf_counter()
@@ -168,7 +168,7 @@ def bad_update(case: str, model: Any, engine: Any, group: Any, group_name: str) 
         return _error_of(engine.update_weights_from_distributed(**spec, group_name="nope", async_op=True))
     fut = engine.update_weights_from_distributed(**spec, group_name=group_name, load_format="flattened_bucket",
                                                  async_op=True)
-    from rollout.weight_updater import flatten
+    from rollout.weights.buckets import flatten
 
     dist.broadcast(flatten([broadcast]), 0, group=group)
     return _error_of(fut)
@@ -184,7 +184,7 @@ def _error_of(fut: Any) -> str:
 
 def die_mid_update(model: Any, engine: Any, group: Any, group_name: str) -> None:
     """Push the first half of the weights, announce the second half, then get killed."""
-    from rollout.weight_updater import flatten
+    from rollout.weights.buckets import flatten
 
     train_step(model, seed=999)
     named = [(n, p.detach()) for n, p in model.named_parameters()]

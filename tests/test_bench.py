@@ -1,4 +1,4 @@
-"""``python -m rollout.bench``: end-to-end on the tiny preset (engine + HF baseline + JSON), the preset
+"""``python -m rollout.bench`` (``benchmarks/``): end-to-end on the tiny preset (engine + HF baseline + JSON), the preset
 writer, and the byte counts behind the bandwidth floor."""
 
 from __future__ import annotations
@@ -8,8 +8,11 @@ import os
 
 import pytest
 
-from rollout.bench import (PRESET_NAMES, main, make_workload, model_bytes, preset_config, preset_param_specs,
-                           shard_plan, steady_step, write_preset)
+from benchmarks.bench import main
+from benchmarks.engine_run import steady_step
+from benchmarks.memory_floor import model_bytes
+from benchmarks.presets import PRESET_NAMES, preset_config, preset_param_specs, shard_plan, write_preset
+from benchmarks.workload import make_workload
 from rollout.config import ModelConfig
 
 # Parameter counts of the real models (tied LM heads counted once).

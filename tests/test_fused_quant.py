@@ -1,4 +1,4 @@
-"""rollout.layers.triton_fused_quant against the torch ops it fuses: RMSNorm (with the residual add) or
+"""rollout.kernels.fused_quant against the torch ops it fuses: RMSNorm (with the residual add) or
 SiLU·mul in the model dtype, then ``quantize_fp8_tokens_torch``.
 
 Without a CUDA device the kernels run under Triton's CPU interpreter (``triton_interpreter``).
@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 from rollout.layers.norm import RMSNorm  # noqa: E402
 from rollout.layers.quantization import (Fp8Activation, dequantize_fp8_rows, fp8_linear,  # noqa: E402
                                          quantize_fp8_rows, quantize_fp8_tokens_torch)
-from rollout.layers.triton_fused_quant import add_rmsnorm_quant_fp8, silu_mul_quant_fp8  # noqa: E402
+from rollout.kernels.fused_quant import add_rmsnorm_quant_fp8, silu_mul_quant_fp8  # noqa: E402
 
 
 def assert_same_quantization(got: Fp8Activation, want_values: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ import torch
 from conftest import prompts_of_lengths
 from rollout import Engine, SamplingParams
 from rollout.config import EngineConfig, kv_cache_torch_dtype
-from weight_sync.reference import hf_greedy, hf_logprobs, rounded_kv_attention
+from reference import hf_greedy, hf_logprobs, rounded_kv_attention
 
 LENGTHS = [3, 17, 40, 1, 26, 64]
 

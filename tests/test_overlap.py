@@ -122,8 +122,8 @@ def test_decode_step_is_launched_before_the_previous_one_is_read(path):
     decode = events[2:]
     assert decode[:3] == ["launch decode", "launch decode", "read decode"]
     assert decode.count("launch decode") == decode.count("read decode") == 4
-    assert sched.in_flight is None and not sched.running and sched.allocator.available + \
-        sched.tree.total_size == sched.allocator.num_slots
+    assert sched.in_flight is None and not sched.running and sched.cache.allocator.available + \
+        sched.cache.tree.total_size == sched.cache.allocator.num_slots
     plain, _ = _launch_order(path, False, prompts, 5)  # without overlap: launch, read, launch, read, ...
     assert all(e.startswith("launch") for e in plain[::2]) and all(e.startswith("read") for e in plain[1::2])
 
@@ -135,8 +135,8 @@ def test_prefill_batches_overlap_and_stay_exact(path, hf_reference):
     prefill = events[:events.index("launch decode")]
     assert prefill[:3] == ["launch extend", "launch extend", "read extend"]  # batch 2 launched before 1 is read
     assert prefill.count("launch extend") == prefill.count("read extend") >= 4
-    assert sched.in_flight is None and not sched.running and sched.allocator.available + \
-        sched.tree.total_size == sched.allocator.num_slots
+    assert sched.in_flight is None and not sched.running and sched.cache.allocator.available + \
+        sched.cache.tree.total_size == sched.cache.allocator.num_slots
     hf = hf_reference(path)
     options = dict(max_prefill_tokens=24, chunked_prefill_size=16)
     params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)

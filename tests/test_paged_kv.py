@@ -69,10 +69,10 @@ def test_radix_cache_shares_whole_pages_only():
 
 def _check_pages(sched: Scheduler, page: int) -> None:
     """Every running request's slots: position i at offset i % page of the page of position i - i % page."""
-    for req in list(sched.running) + ([sched.chunked] if sched.chunked is not None else []):
+    for req in list(sched.running) + ([sched.prefill.chunked] if sched.prefill.chunked is not None else []):
         if req.pool_row is None or not req.kv_len:
             continue
-        slots = sched.req_pool.cpu_table[req.pool_row, :req.kv_len].to(torch.int64)
+        slots = sched.cache.req_pool.cpu_table[req.pool_row, :req.kv_len].to(torch.int64)
         pos = torch.arange(req.kv_len)
         assert torch.equal(slots % page, pos % page), f"request {req.rid}: slots off their page offsets"
         assert torch.equal(slots // page, slots[pos - pos % page] // page), f"request {req.rid}: a page is split"
@@ -94,7 +94,7 @@ def test_scheduler_keeps_positions_on_their_pages_and_matches_transformers(tiny_
         launches.append(inputs.mode.value)
         _check_pages(sched, page)
         for req in reqs:  # the step's own new slots too
-            slots = sched.req_pool.cpu_table[req.pool_row, :req.kv_len + 1].to(torch.int64)
+            slots = sched.cache.req_pool.cpu_table[req.pool_row, :req.kv_len + 1].to(torch.int64)
             assert int(slots[-1]) % page == req.kv_len % page
         return launch(reqs, inputs, sampled)
 
@@ -106,7 +106,7 @@ def test_scheduler_keeps_positions_on_their_pages_and_matches_transformers(tiny_
         for p in round_prompts:
             rid = f"r{next(ids)}"
             sched.handle(GenerateReq(rid, p, params, seed=0))
-            done.append((p, sched.reqs[rid]))
+            done.append((p, sched.outputs.live[rid]))
         while sched.busy:
             sched.step()
     assert launches.count("decode") >= 10 and launches.count("extend") >= 2
@@ -115,5 +115,5 @@ def test_scheduler_keeps_positions_on_their_pages_and_matches_transformers(tiny_
         assert req.output_ids == hf.greedy(p, 11)
     assert any(req.cached_tokens >= 12 for _, req in done[len(prompts):])
     assert sched.in_flight is None and not sched.running
-    assert sched.allocator.available + sched.tree.total_size == sched.allocator.num_slots
-    assert sched.tree.total_size % page == 0 and sched.tree.total_size > 0
+    assert sched.cache.allocator.available + sched.cache.tree.total_size == sched.cache.allocator.num_slots
+    assert sched.cache.tree.total_size % page == 0 and sched.cache.tree.total_size > 0

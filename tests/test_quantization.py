@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import weight_sync
 from conftest import prompts_of_lengths
-from weight_sync.reference import fp8_quantized_projections
+from reference import fp8_quantized_projections
 from rollout import Engine, SamplingParams
 from rollout.config import EngineConfig
 from rollout.layers.quantization import (FP8_MAX, dequantize_fp8_rows, fp8_linear, is_quantized_weight,
@@ -52,7 +52,7 @@ def test_a_column_slice_with_its_full_rows_scales_quantizes_like_the_whole():
 
 @pytest.mark.parametrize("rows,cols", [(1, 64), (7, 1000), (3, 2500), (2, 9000)])
 def test_triton_per_token_quant_is_bit_identical_to_torch(rows, cols):
-    from rollout.layers.triton_quant import per_token_quant_fp8
+    from rollout.kernels.quant import per_token_quant_fp8
 
     g = torch.Generator().manual_seed(rows * cols)
     x = (torch.randn(rows, cols, generator=g) * torch.logspace(-2, 3, rows)[:, None]).bfloat16()
@@ -68,7 +68,7 @@ def test_triton_per_token_quant_is_bit_identical_to_torch(rows, cols):
 
 @pytest.mark.parametrize("m,n,k", [(1, 96, 256), (5, 40, 384), (16, 64, 128), (19, 72, 200)])
 def test_triton_fp8_gemm_matches_the_float32_product(m, n, k):
-    from rollout.layers.triton_fp8_gemm import GemmLaunch, fp8_gemm
+    from rollout.kernels.fp8_gemm import GemmLaunch, fp8_gemm
 
     g = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
@@ -118,7 +118,7 @@ def test_config_refuses_an_unknown_quantization(tiny_dir):
 
 def worst_logprob_gap(hf_model, prompts, outs) -> float:
     """Largest |engine logprob - transformers' teacher-forced logprob| over the engine's output tokens."""
-    from weight_sync.reference import hf_logprobs
+    from reference import hf_logprobs
 
     worst = 0.0
     for prompt, out in zip(prompts, outs):

@@ -10,7 +10,8 @@ from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, Te
                           TopKLogitsWarper, TopPLogitsWarper)
 
 import rollout.layers.sampler as sampler_mod
-from rollout.layers.sampler import Sampler, SamplingBatchInfo, SamplingRow, uniform_noise
+from rollout.layers.sampler import Sampler, uniform_noise
+from rollout.layers.sampling_info import SamplingBatchInfo, SamplingRow, _to_int64
 from rollout.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -352,7 +353,7 @@ def test_hash_matches_python_reference_and_is_strictly_inside_unit_interval():
     seeds = [0, 1, 2 ** 31, 2 ** 63 + 5, -1, -(2 ** 40), 123456789012345678901234]
     positions = [0, 1, 7, 2 ** 33 + 3, 5, 0, 99]
     V = 37
-    seeds64 = torch.tensor([sampler_mod._to_int64(s) for s in seeds], dtype=torch.int64)
+    seeds64 = torch.tensor([_to_int64(s) for s in seeds], dtype=torch.int64)
     u = uniform_noise(seeds64, torch.tensor(positions, dtype=torch.int64), V)
     expect = torch.tensor([[py_uniform(s, p, t) for t in range(V)] for s, p in zip(seeds, positions)],
                           dtype=torch.float64)

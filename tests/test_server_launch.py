@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,13 +16,11 @@ from typing import Any
 import psutil
 import pytest
 
+from rollout.ipc import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
@@ -58,7 +55,7 @@ class ServerProcess:
         except OSError:
             return None
 
-    def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
+    def wait_ready(self, timeout: float = 300.0) -> "ServerProcess":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             status = self.health()

@@ -24,9 +24,9 @@ def run_trainer(url: str, api_key: str, path: str, port: int, commands: Any, res
     from transformers import AutoModelForCausalLM
 
     import weight_sync
+    from reference import hf_greedy
     from rollout.client import EngineClient
     from sync_trainer import bad_update, join_group, train_step
-    from weight_sync.reference import hf_greedy
 
     client = EngineClient(url, api_key=api_key)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -4,7 +4,6 @@ engine actor driven directly (the GPU machine's path) checked against transforme
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import types
@@ -19,14 +18,11 @@ from rollout import SamplingParams
 from trainer_adapters import (BACKENDS, broadcast_to_engines, engine_options, hf_name, param_source,
                               to_sampling_params, unwrap_model)
 from weight_sync.sender import WeightSender
+from rollout.ipc import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""rollout.attention.triton_decode against attention written out in float32 torch over the widened KV.
+"""rollout.kernels.decode_attention against attention written out in float32 torch over the widened KV.
 
 Without a CUDA device the kernels run under Triton's CPU interpreter (see ``triton_interpreter``, which
 makes its float8 and bfloat16 conversions and dots match the GPU's).
@@ -11,7 +11,7 @@ from triton_interpreter import DEVICE  # first: sets up the interpreter before t
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from rollout.attention.triton_decode import DecodeLaunch, decode_attention, num_kv_splits  # noqa: E402
+from rollout.kernels.decode_attention import DecodeLaunch, decode_attention, num_kv_splits  # noqa: E402
 
 
 def make_case(seq_lens: list[int], hq: int, hk: int, d: int, kv_dtype: torch.dtype, q_dtype: torch.dtype,

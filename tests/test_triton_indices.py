@@ -1,4 +1,4 @@
-"""rollout.attention.triton_indices against torch references: ``kv_indices_for`` for ``write_kv_indices``,
+"""rollout.kernels.decode_indices against torch references: ``kv_indices_for`` for ``write_kv_indices``,
 and ``prepare_reference`` (below, from ``prepare_decode``'s contract) for ``prepare_decode``.
 
 Without a CUDA device the kernel runs under Triton's CPU interpreter (see ``triton_interpreter``).
@@ -11,8 +11,8 @@ from triton_interpreter import DEVICE  # first: sets up the interpreter before t
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from rollout.attention.flashinfer_backend import kv_indices_for  # noqa: E402
-from rollout.attention.triton_indices import (  # noqa: E402
+from rollout.attention.common import kv_indices_for  # noqa: E402
+from rollout.kernels.decode_indices import (  # noqa: E402
     CHUNK, SCAN, DecodeBuffers, chunk_programs, prepare_decode, write_kv_indices)
 from rollout.model_executor.forward_batch import ForwardMode  # noqa: E402
 from rollout.model_executor.model_runner import StepInput  # noqa: E402

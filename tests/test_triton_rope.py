@@ -1,4 +1,4 @@
-"""Tests for rollout.layers.triton_rope (fused RoPE + KV-pool write) against RotaryEmbedding in torch.
+"""Tests for rollout.kernels.rope (fused RoPE + KV-pool write) against RotaryEmbedding in torch.
 
 Without a CUDA device the kernel runs under Triton's CPU interpreter (see ``triton_interpreter``).
 """
@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from rollout.distributed import TPGroup  # noqa: E402
 from rollout.layers.linear import QKVParallelLinear  # noqa: E402
 from rollout.layers.rotary import RotaryEmbedding  # noqa: E402
-from rollout.layers.triton_rope import rope_and_store_kv  # noqa: E402
+from rollout.kernels.rope import rope_and_store_kv  # noqa: E402
 
 MAX_POSITIONS = 4096
 NUM_SLOTS = 96

@@ -1,4 +1,4 @@
-"""Tests for rollout.layers.triton_sampling (fused fast-path sampler) against the torch Sampler.
+"""Tests for rollout.kernels.sampling (fused fast-path sampler) against the torch Sampler.
 
 Without a CUDA device the kernel runs under Triton's CPU interpreter (see ``triton_interpreter``).
 """
@@ -10,8 +10,9 @@ from triton_interpreter import DEVICE  # first: sets up the interpreter before t
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from rollout.layers import triton_sampling  # noqa: E402
-from rollout.layers.sampler import Sampler, SamplingBatchInfo, SamplingRow, _to_int64, uniform_noise  # noqa: E402
+from rollout.kernels import sampling as triton_sampling  # noqa: E402
+from rollout.layers.sampler import Sampler, uniform_noise  # noqa: E402
+from rollout.layers.sampling_info import SamplingBatchInfo, SamplingRow, _to_int64  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 
 NEG_INF = float("-inf")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 import time
 
 import pytest
@@ -16,13 +15,11 @@ from weight_sync.remote import serve_engine
 
 from sync_trainer import CHECK_PROMPTS, run_trainer
 
+from rollout.ipc import free_port
+
 CTX = mp.get_context("spawn")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_trainer(engines: list[Engine], tp_sizes: list[int], path: str, plan: list[dict]) -> tuple[mp.Process, mp.Queue]:

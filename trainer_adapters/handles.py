@@ -15,13 +15,16 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
 
+from rollout.engine_handle import ForwardingEngineHandle
+
 
 def is_ray_actor(obj: Any) -> bool:
     return type(obj).__name__ == "ActorHandle" and type(obj).__module__.startswith("ray")
 
 
-class ActorEngine:
-    """An engine handle over an actor (Ray or ``LocalActor``) with ``EngineActor``'s methods."""
+class ActorEngine(ForwardingEngineHandle):
+    """An engine handle (``rollout.engine_handle.EngineHandle``) over an actor (Ray or ``LocalActor``) with
+    ``EngineActor``'s methods; other actor methods are reachable by name too."""
 
     def __init__(self, actor: Any) -> None:
         self._actor = actor
@@ -29,6 +32,10 @@ class ActorEngine:
     def _submit(self, method: str, args: tuple, kwargs: dict) -> Future:
         ref = getattr(self._actor, method).remote(*args, **kwargs)
         return ref if isinstance(ref, Future) else ref.future()
+
+    def _call(self, method: str, async_op: bool, **kwargs: Any) -> Any:
+        fut = self._submit(method, (), kwargs)
+        return fut if async_op else fut.result()
 
     def __getattr__(self, method: str) -> Any:
         if method.startswith("_"):

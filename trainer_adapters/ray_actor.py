@@ -139,9 +139,11 @@ class EngineActor:
     # ---- weight sync: OpenRLHF's names ---------------------------------------------------------
 
     def init_process_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                           group_name: str, backend: str = "nccl", use_ray: bool = False) -> bool:
+                           group_name: str, backend: str = "nccl", use_ray: bool = False,
+                           timeout: float | None = None) -> bool:
         """Join the trainer's weight-update group: TP rank r joins as ``rank_offset + r`` (trainer = 0).
-        Blocks until every member has joined. ``use_ray=True`` (ray.util.collective) is not supported."""
+        Blocks until every member has joined. ``use_ray=True`` (ray.util.collective) is not supported;
+        ``timeout`` defaults to the actor's ``weight_sync_timeout``."""
         if use_ray:
             raise ValueError("use_ray=True (a ray.util.collective group) is not supported: the engine joins a "
                              "torch.distributed group; call init_process_group with use_ray=False")
@@ -150,7 +152,8 @@ class EngineActor:
         if backend == "nccl" and not self.device.startswith("cuda"):
             raise ValueError(f"backend 'nccl' needs a GPU engine; this engine runs on {self.device!r}: use 'gloo'")
         return self.engine.init_process_group(master_address, master_port, rank_offset, world_size, group_name,
-                                              backend=backend, timeout=self.weight_sync_timeout)
+                                              backend=backend,
+                                              timeout=timeout if timeout is not None else self.weight_sync_timeout)
 
     def update_weight(self, name: str, dtype: Any, shape: Any, empty_cache: bool = False) -> Any:
         """Receive one tensor broadcast by rank 0 and load it; ``empty_cache=True`` (OpenRLHF sets it on
@@ -174,6 +177,8 @@ class EngineActor:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
+    flush_cache = reset_prefix_cache
+
     def pause_generation(self, mode: str = "abort") -> Any:
         """Hold new requests; in-flight ones are aborted (default, as vLLM), ``retract``ed or kept ``in_place``."""
         return self.engine.pause_generation(mode)
@@ -196,6 +201,9 @@ class EngineActor:
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> Any:
         return self.engine.update_weights_from_disk(model_path, weight_version)
+
+    def rollback_weights(self) -> Any:
+        return self.engine.rollback_weights()
 
     def destroy_process_group(self, group_name: str = "weight_update_group") -> bool:
         return self.engine.destroy_process_group(group_name)

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from rollout.dtypes import parse_dtype
 from trainer_adapters.fsdp2 import FSDP2Source, is_fsdp1, is_fsdp2
 from trainer_adapters.gather import ParamSource
 from trainer_adapters.handles import as_engine
@@ -59,7 +60,7 @@ def broadcast_to_engines(model: Any, engines: Sequence[Any] | None, group: Any =
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.replace("torch.", ""))
+        dtype = parse_dtype(dtype)
     source = param_source(model, backend)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == src_rank and (group is None or not engines):
@@ -89,6 +90,6 @@ def trainer_fingerprint(model: Any, dtype: torch.dtype | str | None = None, back
     """``weight_sync.fingerprint`` of the full weights; equals the engines' ``weights_fingerprint()`` after
     a sync exactly when they hold the same weights (pass the engine's dtype and quantization).
     Collective when sharded."""
-    from weight_sync.fingerprint import fingerprint
+    from rollout.weights.fingerprint import fingerprint
 
     return fingerprint(full_named_parameters(model, backend), dtype=dtype, quantization=quantization)

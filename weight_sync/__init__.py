@@ -1,7 +1,10 @@
-"""Trainer-side live weight sync: the update group, the bucketed sender, and the weight fingerprint."""
+"""Trainer-side live weight sync: the update group, the bucketed sender, and the weight fingerprint.
 
-from weight_sync.fingerprint import fingerprint
-from weight_sync.group import destroy_process_group, init_process_group
+The engine side lives in ``rollout.weights``; the group and the fingerprint are the same code on both sides.
+"""
+
+from rollout.weights.fingerprint import fingerprint
+from rollout.weights.group import destroy_process_group, init_process_group
 from weight_sync.sender import SyncReport, WeightSender, plan_buckets
 
 __all__ = ["init_process_group", "destroy_process_group", "fingerprint", "WeightSender", "SyncReport",

@@ -14,6 +14,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from rollout.engine_handle import ForwardingEngineHandle
+
 
 def serve_engine(engine: Any, conn: Any) -> threading.Thread:
     """Serve ``engine``'s methods on ``conn`` from a daemon thread until the peer closes it."""
@@ -56,8 +58,10 @@ def _serve(engine: Any, conn: Any) -> None:
     pool.shutdown(wait=False)
 
 
-class RemoteEngine:
-    """The trainer-side proxy. ``engine.method(...)`` blocks for the result unless ``async_op=True``."""
+class RemoteEngine(ForwardingEngineHandle):
+    """The trainer-side proxy: ``rollout.engine_handle.EngineHandle``'s calls, plus any other engine method
+    by name (``generate``, ``chat``, ...). ``engine.method(...)`` blocks for the result unless
+    ``async_op=True``."""
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
@@ -82,6 +86,9 @@ class RemoteEngine:
                 fut.set_exception((ValueError if error_type == "ValueError" else RuntimeError)(value))
         for fut in list(self._futures.values()):
             fut.set_exception(RuntimeError("the engine's process closed the connection"))
+
+    def _call(self, method: str, async_op: bool, **kwargs: Any) -> Any:
+        return self.call(method, async_op=async_op, **kwargs)
 
     def call(self, method: str, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
         fut: Future = Future()

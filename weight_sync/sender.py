@@ -15,6 +15,8 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from rollout.dtypes import dtype_name
+
 DEFAULT_BUCKET_BYTES = 1 << 30
 
 
@@ -54,10 +56,6 @@ def plan_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -
     if current:
         buckets.append(current)
     return buckets
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")
 
 
 class WeightSender:
@@ -133,7 +131,7 @@ class WeightSender:
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], last: bool, version: str | None) -> list[Any]:
         """Announce one flat bucket to every engine without waiting, then broadcast it; returns futures."""
         names = [n for n, _ in bucket]
-        dtypes = [_dtype(t) for _, t in bucket]
+        dtypes = [dtype_name(t.dtype) for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
         pending = [engine.update_weights_from_distributed(
             names, dtypes, shapes, group_name=self.group_name, flush_cache=last,
@@ -147,7 +145,7 @@ class WeightSender:
         results = []
         for i, (name, t) in enumerate(named):
             end = last and i == len(named) - 1
-            futures = [engine.update_weight(name, _dtype(t), list(t.shape), empty_cache=end, async_op=True)
+            futures = [engine.update_weight(name, dtype_name(t.dtype), list(t.shape), empty_cache=end, async_op=True)
                        for engine in self.engines]
             dist.broadcast(t, src=0, group=self.group)
             results.extend(f.result(self.timeout) for f in futures)
@@ -163,7 +161,7 @@ class WeightSender:
 
     def _flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Pack a bucket into a buffer reused across buckets and pushes (the broadcast is synchronous)."""
-        from rollout.weight_updater import flatten
+        from rollout.weights.buckets import flatten
 
         n = sum(t.numel() * t.element_size() for t in tensors)
         device = tensors[0].device

@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import queue
-import socket
 import sys
 import time
 from typing import Any
+
+from rollout.ipc import free_port
 
 MODES = ("bucket", "per-tensor", "disk", "tensor")
 
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     backend = args.backend or ("nccl" if device.startswith("cuda") else "gloo")
     trainer_device = args.trainer_device or _trainer_device(device, args.tp_size)
-    cfg = SmokeConfig(model, args.mode, args.bucket_mb, args.dtype, trainer_device, backend, _free_port(),
+    cfg = SmokeConfig(model, args.mode, args.bucket_mb, args.dtype, trainer_device, backend, free_port(),
                       args.tp_size, args.num_prompts, args.max_new_tokens, args.lr, args.seed)
     ctx = mp.get_context("spawn")
     started = time.perf_counter()
@@ -77,10 +78,6 @@ def _trainer_device(device: str, tp_size: int) -> str:
     return f"cuda:{tp_size}" if torch.cuda.device_count() > tp_size else "cuda:0"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(trainer: Any, results: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from weight_sync.reference import greedy_gaps, hf_greedy, hf_logprobs
+from weight_sync.hf_compare import greedy_gaps, hf_greedy, hf_logprobs
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "What is 7 times 8?",

@@ -4,7 +4,7 @@
 residual + x)``. The torch path matches transformers bit for bit (float32 statistics, weight applied in
 the model dtype); ``fused=True`` uses FlashInfer's CUDA kernels (one kernel for add + norm, in place).
 ``quantize_out=True`` (fused, before an fp8 projection) returns the normalized x as an ``Fp8Activation``
-from one Triton kernel that also quantizes it (``rollout.layers.triton_fused_quant``).
+from one Triton kernel that also quantizes it (``rollout.kernels.fused_quant``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class RMSNorm(nn.Module):
 
     def _fused(self, x: torch.Tensor, residual: torch.Tensor | None):
         if self.quantize_out:
-            from rollout.layers.triton_fused_quant import add_rmsnorm_quant_fp8
+            from rollout.kernels.fused_quant import add_rmsnorm_quant_fp8
 
             out = add_rmsnorm_quant_fp8(x, residual, self.weight, self.eps)
             return out if residual is None else (out, residual)

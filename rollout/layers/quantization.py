@@ -12,7 +12,7 @@ Hugging Face tensor in the model dtype:
 
 On CUDA (sm90: row-wise ``torch._scaled_mm``) the product is ``fp8_linear``'s choice of kernel and the
 activation quantization is one Triton kernel, or part of the norm / SiLU·mul kernel before the projection
-(``Fp8Activation``, ``rollout.layers.triton_fused_quant``); elsewhere the same arithmetic runs in float32 torch ops (the CPU reference).
+(``Fp8Activation``, ``rollout.kernels.fused_quant``); elsewhere the same arithmetic runs in float32 torch ops (the CPU reference).
 Quantization is deterministic (IEEE division, round-to-nearest-even cast), so a trainer can compute the
 served tensors exactly: ``weight_sync.fingerprint(..., quantization="fp8")``.
 """
@@ -30,10 +30,10 @@ FP8_MAX = 448.0
 # Scales are amax * (float32 1/448), a correctly rounded multiply that torch (CPU and CUDA) and Triton
 # all compute alike (torch turns a division by a Python scalar into this multiply on CUDA but not on CPU).
 INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
-# Where Triton's fp8_gemm beats torch._scaled_mm's CUTLASS kernels (gpu_checks/bench_fp8_gemm.py, H200).
+# Where Triton's fp8_gemm beats torch._scaled_mm's CUTLASS kernels (tools/bench_fp8_gemm.py, H200).
 TRITON_GEMM_MAX_TOKENS = 16
 _MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # rows of zeros get this scale instead of 0
-# Longest rows that rollout.layers.triton_fused_quant's norm and SiLU·mul kernels quantize (held in registers).
+# Longest rows that rollout.kernels.fused_quant's norm and SiLU·mul kernels quantize (held in registers).
 FUSED_QUANT_MAX_COLS = 32768
 # The Hugging Face weights an fp8 engine stores quantized (the projections of every decoder layer).
 _QUANTIZED_WEIGHT = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
@@ -67,7 +67,7 @@ def quantize_fp8_rows(w: torch.Tensor, scale: torch.Tensor | None = None) -> tup
 def quantize_fp8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn [T, K], float32 scales [T, 1]): dynamic per-token quantization of a 2-D ``x``."""
     if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
-        from rollout.layers.triton_quant import per_token_quant_fp8
+        from rollout.kernels.quant import per_token_quant_fp8
 
         return per_token_quant_fp8(x)
     return quantize_fp8_tokens_torch(x)
@@ -83,7 +83,7 @@ def quantize_fp8_tokens_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 @dataclass(frozen=True)
 class Fp8Activation:
     """Activations already quantized per token by the kernel that produced them
-    (``rollout.layers.triton_fused_quant``): ``q`` float8_e4m3fn [T, K], ``scale`` float32 [T, 1], and the
+    (``rollout.kernels.fused_quant``): ``q`` float8_e4m3fn [T, K], ``scale`` float32 [T, 1], and the
     model ``dtype`` the projection returns."""
 
     q: torch.Tensor
@@ -114,7 +114,7 @@ def fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_sca
         shape, dtype = x.shape, x.dtype
         xq, xs = quantize_fp8_tokens(x.reshape(-1, shape[-1]))
     if xq.is_cuda and xq.shape[0] <= TRITON_GEMM_MAX_TOKENS:
-        from rollout.layers.triton_fp8_gemm import fp8_gemm
+        from rollout.kernels.fp8_gemm import fp8_gemm
 
         out = fp8_gemm(xq, xs, weight, weight_scale, dtype)
     elif xq.is_cuda:

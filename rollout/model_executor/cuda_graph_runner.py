@@ -1,22 +1,22 @@
 """CUDA graphs for decode: one graph per padded batch size, captured after the weights load.
 
-Inputs live in static buffers; a replay fills them from the real batch (padding rows write their KV
-to the scratch slot 0 and read one cached token) and re-plans attention for that size (with Triton or
-XQA decode both in one kernel launch), and replays. Weights are never rebound (updates copy in place), so
-graphs stay valid across updates.
+Inputs live in static buffers; a replay has the attention backend fill them from the real batch (padding
+rows write their KV to the scratch slot 0 and read one cached token) and re-plan attention for that size
+(``AttentionBackend.prepare_graph_replay``: with Triton or XQA decode both in one kernel launch), and
+replays. Weights are never rebound (updates copy in place), so graphs stay valid across updates.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rollout.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from rollout.attention.flashinfer_backend import DecodeGraphState, FlashInferBackend
+    from rollout.attention.base import AttentionBackend
     from rollout.model_executor.model_runner import ModelRunner, StepInput
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ def default_batch_sizes(max_bs: int) -> list[int]:
 class CudaGraphRunner:
     """Captures and replays decode forwards for the batch sizes in ``batch_sizes``."""
 
-    def __init__(self, runner: "ModelRunner", backend: "FlashInferBackend", batch_sizes: list[int]) -> None:
+    def __init__(self, runner: "ModelRunner", backend: "AttentionBackend", batch_sizes: list[int]) -> None:
         self.runner = runner
         self.backend = backend
         self.batch_sizes = sorted(batch_sizes)
@@ -42,7 +42,7 @@ class CudaGraphRunner:
         self.rows = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.states: dict[int, "DecodeGraphState"] = {}
+        self.states: dict[int, Any] = {}  # the backend's graph_state per batch size
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.capture()
@@ -65,7 +65,7 @@ class CudaGraphRunner:
         for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory
             state = self.backend.graph_state(bs)
             batch = self._batch(bs, [1] * bs)
-            self.backend.init_forward_metadata(batch, graph=state)
+            self.backend.init_graph_metadata(batch, state)
             stream.wait_stream(torch.cuda.current_stream(self.runner.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up outside the graph (allocations, lazy inits)
@@ -82,33 +82,11 @@ class CudaGraphRunner:
     def replay(self, step: "StepInput", packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab] for a decode step of B <= max batch size; ``packed`` is ``step.decode_pack()``
         already on the device. Also writes the step's out slots into the device request table. With
-        Triton or XQA decode everything before the replay is one kernel (``FlashInferBackend.prepare_graph_decode``);
-        with FlashInfer decode, copies into the static buffers and a plan. Nothing waits for the GPU."""
+        Triton or XQA decode everything before the replay is one kernel; with FlashInfer decode, copies into
+        the static buffers and a plan (``AttentionBackend.prepare_graph_replay``). Nothing waits for the GPU."""
         b = len(step.rows)
         bs = self._padded(b)
         batch = self._batch(bs, list(step.seq_lens) + [1] * (bs - b))
-        if self.backend.prepares_graph_inputs:
-            self.backend.prepare_graph_decode(batch, self.states[bs], packed, last_token_ids)
-        else:
-            self._copy_inputs(b, bs, packed, last_token_ids)
-            self.backend.init_forward_metadata(batch, graph=self.states[bs])
+        self.backend.prepare_graph_replay(batch, self.states[bs], packed, last_token_ids)
         self.graphs[bs].replay()
         return self.outputs[bs][:b]
-
-    def _copy_inputs(self, b: int, bs: int, packed: torch.Tensor, last_token_ids: torch.Tensor) -> None:
-        """The device table write and the static buffers of rows [0, bs) by torch ops: the real batch's
-        B from ``packed``, padding rows (B..bs-1) writing their KV to the scratch slot 0 and reading one
-        cached token."""
-        rows, positions, out_slots, seq_lens = packed.unbind(0)
-        self.runner.req_to_token.write_device(rows, positions, out_slots)
-        self.input_ids[:b].copy_(last_token_ids[rows])
-        self.rows[:b].copy_(rows)
-        self.positions[:b].copy_(positions)
-        self.out_cache_loc[:b].copy_(out_slots)
-        self.seq_lens[:b].copy_(seq_lens)
-        if bs > b:
-            self.input_ids[b:bs].zero_()
-            self.positions[b:bs].zero_()
-            self.out_cache_loc[b:bs].zero_()
-            self.rows[b:bs].zero_()
-            self.seq_lens[b:bs].fill_(1)

@@ -44,10 +44,6 @@ class ForwardBatch:
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
 
-    @property
-    def prefix_lens(self) -> list[int]:
-        return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens)]
-
     def last_token_indices(self) -> torch.Tensor | None:
         """Index into the flattened tokens of each request's last token (whose logits we sample);
         None in decode, where every token is one (and nothing may be copied in a CUDA graph)."""

@@ -9,11 +9,14 @@ from typing import Any
 import torch
 
 from rollout.attention.base import AttentionBackend
+from rollout.attention.common import AttentionSpec
+from rollout.attention.registry import create_attention_backend
 from rollout.config import EngineConfig, ModelConfig, kv_cache_torch_dtype, resolve_torch_dtype
 from rollout.device_copy import list_to_device, to_device
 from rollout.distributed import TPGroup
 from rollout.layers.logits_processor import PromptLogprobs, prompt_logprobs
-from rollout.layers.sampler import Sampler, SamplerOutput, SamplingBatchInfo, SamplingRow
+from rollout.layers.sampler import Sampler, SamplerOutput
+from rollout.layers.sampling_info import SamplingBatchInfo, SamplingRow
 from rollout.mem_cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from rollout.model_executor.forward_batch import ForwardBatch, ForwardMode
 from rollout.models.loader import build_model
@@ -41,7 +44,7 @@ class StepInput:
 
     def decode_pack(self, pin: bool = False) -> torch.Tensor:
         """Host int64 [4, B], contiguous: rows ``rows``, ``positions``, ``out_slots``, ``seq_lens`` (the
-        layout ``rollout.attention.triton_indices.prepare_decode`` reads); pinned when ``pin``, so one
+        layout ``rollout.kernels.decode_indices.prepare_decode`` reads); pinned when ``pin``, so one
         non-blocking copy moves it to a GPU."""
         out = torch.empty((4, len(self.rows)), dtype=torch.int64, pin_memory=pin)
         out[0] = torch.tensor(self.rows, dtype=torch.int64)
@@ -143,30 +146,13 @@ class ModelRunner:
         return slots
 
     def _attention_backend(self, attn) -> AttentionBackend:
-        """``flashinfer`` on CUDA when the ``gpu`` extra (flashinfer, triton) is installed, else ``torch_native``."""
-        name = self.config.attention_backend
-        gpu_extra = _has_module("flashinfer") and _has_module("triton")
-        if name == "auto":
-            name = "flashinfer" if self.device.type == "cuda" and gpu_extra else "torch_native"
-        if name == "torch_native":
-            from rollout.attention.torch_native import TorchNativeBackend
-
-            return TorchNativeBackend()
-        if name == "flashinfer":
-            if self.device.type != "cuda":
-                raise ValueError("the flashinfer attention backend needs a CUDA device")
-            if not gpu_extra:
-                raise ValueError("the flashinfer attention backend needs flashinfer and triton: "
-                                 "pip install 'rollout-engine[gpu]'")
-            from rollout.attention.flashinfer_backend import FlashInferBackend
-
-            max_indices = self.config.max_running_requests * (self.context_len + 1) + 1
-            return FlashInferBackend(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling, self.dtype,
-                                     self.device, max_indices, kv_dtype=self.kv_dtype,
-                                     decode_backend=self.config.decode_attention_backend,
-                                     max_batch_size=self.config.max_running_requests,
-                                     page_size=self.config.page_size, max_context_len=self.context_len + 1)
-        raise ValueError(f"attention backend {name!r} is not available")
+        """The backend ``config.attention_backend`` and ``decode_attention_backend`` name
+        (``rollout.attention.registry``; "auto": FlashInfer prefill + Triton decode on CUDA when the ``gpu``
+        extra is installed, else ``torch_native``)."""
+        spec = AttentionSpec(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling, self.dtype,
+                             self.kv_dtype, self.device, max_batch_size=self.config.max_running_requests,
+                             max_context_len=self.context_len + 1, page_size=self.config.page_size)
+        return create_attention_backend(spec, self.config.attention_backend, self.config.decode_attention_backend)
 
     def _graph_runner(self):
         """CUDA graphs for decode, when the attention backend supports them (unless disabled)."""

@@ -43,7 +43,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.fused:  # one Triton kernel: rope on q and k, k and v written into the KV pool
-            from rollout.layers.triton_rope import rope_and_store_kv
+            from rollout.kernels.rope import rope_and_store_kv
 
             pool, layer = batch.kv_pool, self.attn.layer_id
             v = v.reshape(t, -1, self.head_dim)
@@ -72,7 +72,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.quantize_act:  # one kernel: SiLU·mul and the per-token fp8 quantization of down_proj's input
-            from rollout.layers.triton_fused_quant import silu_mul_quant_fp8
+            from rollout.kernels.fused_quant import silu_mul_quant_fp8
 
             return self.down_proj(silu_mul_quant_fp8(gate_up))
         if self.fused:

@@ -12,7 +12,7 @@ import torch
 from rollout.config import ModelConfig
 from rollout.distributed import TPGroup
 from rollout.models.llama import LlamaForCausalLM
-from rollout.models.weight_map import HFWeightMap
+from rollout.weights.weight_map import HFWeightMap
 
 
 def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:

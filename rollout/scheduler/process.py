@@ -97,7 +97,7 @@ class SchedulerLoop:
                         msgs.append(self.recv.recv_pyobj(zmq.NOBLOCK))
                     except zmq.Again:
                         break
-            if self.scheduler.updater.session_expired():
+            if self.scheduler.weights.updater.session_expired():
                 msgs.append(ExpireUpdateSession())
         return self.tp.broadcast_object(msgs)
 

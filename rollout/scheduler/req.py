@@ -14,7 +14,7 @@ class Req:
     ``fill_ids`` = prompt + output so far. ``kv_len`` tokens of it have KV in the cache (slots listed in
     row ``pool_row`` of the request table); ``prefix_len`` of those belong to the radix tree (locked
     through ``last_node``), the rest are owned by the request. ``kv_len`` counts launched steps, and
-    ``pending`` tokens have been sampled by a launched step but not yet appended (overlap scheduling).
+    ``inflight_tokens`` tokens have been sampled by a launched step but not yet appended (overlap scheduling).
     """
 
     def __init__(self, msg: GenerateReq, eos_token_ids: tuple[int, ...], context_len: int) -> None:
@@ -40,7 +40,7 @@ class Req:
         self.sent = 0                      # output tokens already sent to the detokenizer
         self.pool_row: int | None = None
         self.kv_len = 0
-        self.pending = 0
+        self.inflight_tokens = 0
         self.prefix_len = 0
         self.last_node: Any = None
         self.tree: Any = None              # the radix tree that last_node belongs to
@@ -100,8 +100,8 @@ class Req:
                 self.top_logprobs.append(top or [])
 
     def ends_by_length(self) -> bool:
-        """The pending tokens already end this request by length, whatever their values."""
-        return self.pending > 0 and len(self.output_ids) + self.pending >= self.max_output
+        """The tokens in flight already end this request by length, whatever their values."""
+        return self.inflight_tokens > 0 and len(self.output_ids) + self.inflight_tokens >= self.max_output
 
     def check_finished(self, tokenizer: Any) -> None:
         """Set ``finished`` if the newest token ends the request (order: stop id, stop string, length)."""

@@ -1,6 +1,6 @@
 """RL control endpoints with SGLang's names and JSON fields; each answers ``{"success", "message", ...}``.
 
-Weight updates map onto the Engine's calls (DESIGN.md §6): ``/init_weights_update_group``,
+Weight updates map onto the Engine's calls (docs/weight_sync.md): ``/init_weights_update_group``,
 ``/update_weights_from_distributed``, ``/update_weights_from_disk``, ``/destroy_weights_update_group``;
 control: ``/flush_cache``, ``/pause_generation``, ``/continue_generation``, ``/get_weight_version``,
 ``/update_weight_version``, ``/abort_request``; verification: ``/get_weights_by_name``,

@@ -31,7 +31,7 @@ def run(conn: Any, path: str, port: int, scenario: str, timeout: float, results:
     from transformers import AutoModelForCausalLM
 
     import weight_sync
-    from rollout.weight_updater import flatten
+    from rollout.weights.buckets import flatten
     from weight_sync.remote import RemoteEngine
 
     torch.set_num_threads(1)

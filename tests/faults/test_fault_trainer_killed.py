@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,15 +17,13 @@ from weight_sync.remote import serve_engine
 import fault_trainer
 from sync_trainer import CHECK_PROMPTS
 
+from rollout.ipc import free_port
+
 CTX = mp.get_context("spawn")
 GROUP_TIMEOUT_S = 8.0
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(engine: Engine, target, *args):
@@ -56,7 +53,7 @@ def test_trainer_stopped_at_any_point_never_hangs_the_engine(tiny_dir, hf_refere
     path = tiny_dir("llama")
     hf = hf_reference(path)
     with Engine(path, dtype="float32", device="cpu") as engine:
-        proc, results = _start(engine, fault_trainer.run, path, _free_port(), scenario, GROUP_TIMEOUT_S)
+        proc, results = _start(engine, fault_trainer.run, path, free_port(), scenario, GROUP_TIMEOUT_S)
         _expect(results, proc, "joined")
         _expect(results, proc, "stopping")
         proc.join(30)
@@ -85,7 +82,7 @@ def test_trainer_stopped_at_any_point_never_hangs_the_engine(tiny_dir, hf_refere
             with pytest.raises(RuntimeError, match="refuses to generate"):
                 engine.generate(prompt_token_ids=[[5, 6, 7]], use_tqdm=False)
         # a new trainer in a new group pushes a complete update: exact weights again
-        proc, results = _start(engine, fault_trainer.push_complete, path, _free_port())
+        proc, results = _start(engine, fault_trainer.push_complete, path, free_port())
         step = results.get(timeout=300)
         proc.join(30)
         assert "error" not in step, step.get("error")

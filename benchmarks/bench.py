@@ -1,0 +1,134 @@
+"""Offline throughput benchmark (the nano-vllm protocol): random token-id prompts, ``ignore_eos``, one timed
+``Engine.generate`` call; optionally the same prompts through ``transformers`` ``generate`` as a baseline.
+
+Command line::
+
+    python -m rollout.bench                                   # SmolLM2-135M, 256 prompts x 1024 in / 1024 out
+    python -m rollout.bench --random-range                    # lengths uniform in [100, 1024] (nano-vllm)
+    python -m rollout.bench --preset llama-3.1-8b --num-prompts 256 --random-range --batch1-steps 64
+    python -m rollout.bench --preset tiny --num-prompts 16 --input-len 32 --output-len 16 --hf-baseline
+
+Besides tokens/s it reports the mean decode-step time at the steady batch size (and at batch size 1 with
+``--batch1-steps``) against a memory-bandwidth floor: (weight bytes a decode step reads on one TP rank +
+KV bytes read at that step) / the device-to-device copy bandwidth the bench measures itself.
+
+``--preset NAME`` benchmarks a random-weight checkpoint with a real model's shapes (bf16 safetensors and a
+synthetic word-level tokenizer), written once into ``<cache_root>/presets/NAME`` (or ``--preset-dir``); the
+engine then runs with ``skip_tokenizer_init=True`` (token ids only, no detokenizer process). With ``--model``
+the engine loads the model's tokenizer and detokenizes as in normal use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from benchmarks.engine_run import run_engine
+from benchmarks.hf_baseline import run_hf
+from benchmarks.memory_floor import measure_copy_bandwidth, model_bytes
+from benchmarks.presets import PRESET_NAMES, write_preset
+from benchmarks.report import build_report, format_report
+from benchmarks.workload import make_workload
+from rollout.config import (ATTENTION_BACKENDS, DECODE_ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_METHODS,
+                            ModelConfig, kv_cache_torch_dtype)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rollout.bench", description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="local HF model dir (default: SmolLM2-135M-Instruct)")
+    src.add_argument("--preset", choices=PRESET_NAMES, default=None,
+                     help="benchmark a random-weight checkpoint with this model's real shapes")
+    p.add_argument("--preset-dir", default=None, help="where presets are cached (default <cache>/presets)")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--random-range", action="store_true",
+                   help="draw input and output lengths uniformly from [--min-len, --max-len]")
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (default 0.6, as nano-vllm)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="auto: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None)
+    p.add_argument("--decode-attention-backend", choices=DECODE_ATTENTION_BACKENDS, default=None,
+                   help="decode kernel under the flashinfer backend (default auto: triton)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="KV cache storage type (default auto: the model dtype); fp8 halves the KV bytes")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="KV slots per page (default 1; --decode-attention-backend xqa needs 16, 32, 64 or 128)")
+    p.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
+                   help="online weight quantization (fp8: W8A8 projections; default none: the model dtype)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="a short untimed generate first (default on)")
+    p.add_argument("--batch1-steps", type=int, default=0,
+                   help="also time N decode steps of one request alone (batch size 1)")
+    p.add_argument("--hf-baseline", action="store_true", help="also run transformers generate on the same prompts")
+    p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1 or args.hf_batch_size < 1:
+        p.error("--num-prompts, --input-len, --output-len and --hf-batch-size must be >= 1")
+    if not 1 <= args.min_len <= args.max_len:
+        p.error("need 1 <= --min-len <= --max-len")
+    if args.temperature < 0 or args.batch1_steps < 0:
+        p.error("--temperature and --batch1-steps must be >= 0")
+
+
+def _resolve_model(args: argparse.Namespace) -> str:
+    if args.preset:
+        return write_preset(args.preset, args.preset_dir, seed=0)
+    if args.model:
+        return args.model
+    from rollout.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def _resolve_device(device: str | None) -> str:
+    import torch
+
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; print the table (and write ``--json``). Returns the exit code."""
+    import torch
+
+    args = parse_args(argv)
+    model_path = _resolve_model(args)
+    device = _resolve_device(args.device)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    cfg = ModelConfig.from_path(model_path)
+    length_range = (args.min_len, args.max_len) if args.random_range else None
+    work = make_workload(args.num_prompts, cfg.vocab_size, args.seed, args.input_len, args.output_len, length_range)
+    engine = run_engine(args, model_path, device, dtype, work)
+    bandwidth = measure_copy_bandwidth(device)
+    hf = (run_hf(model_path, device, dtype, work, args.temperature, args.hf_batch_size, args.warmup)
+          if args.hf_baseline else None)
+    model_dtype = getattr(torch, dtype)
+    kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype or "auto", model_dtype)
+    mb = model_bytes(cfg, args.tp_size, model_dtype.itemsize, kv_dtype.itemsize, args.quantization)
+    report = build_report(args, model_path, device, dtype, work, engine, mb, bandwidth, hf)
+    print(format_report(report), flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The bench's report: everything measured as one JSON-ready dict, and the table printed from it."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+from dataclasses import asdict
+from typing import Any
+
+from benchmarks.engine_run import EngineRun, StepTiming
+from benchmarks.memory_floor import ModelBytes, floor_ms
+from benchmarks.workload import RunResult, Workload
+
+
+def _step_report(timing: StepTiming | None, mb: ModelBytes, bandwidth: float) -> dict[str, Any] | None:
+    if timing is None:
+        return None
+    floor = floor_ms(mb, timing.mean_kv_tokens, bandwidth)
+    return {**asdict(timing), "floor_ms": floor, "step_over_floor": timing.mean_step_ms / floor,
+            "kv_bytes_read": timing.mean_kv_tokens * mb.kv_bytes_per_token}
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        return f"{names[0]} ({os.cpu_count()} CPUs)" if names else platform.processor()
+    except OSError:
+        return platform.processor() or "cpu"
+
+
+def build_report(args: argparse.Namespace, model_path: str, device: str, dtype: str, work: Workload,
+                 engine: EngineRun, mb: ModelBytes, bandwidth: float, hf: RunResult | None) -> dict[str, Any]:
+    """Everything the bench measured, as one JSON-ready dict (the printed table shows the same numbers)."""
+    import torch
+    import transformers
+
+    workload = {"num_prompts": len(work.prompts), "temperature": args.temperature, "seed": args.seed,
+                "input_len": None if args.random_range else args.input_len,
+                "output_len": None if args.random_range else args.output_len,
+                "random_range": [args.min_len, args.max_len] if args.random_range else None}
+    report = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "model": model_path, "preset": args.preset, "device": device, "device_name": _device_name(device),
+        "dtype": dtype, "kv_cache_dtype": args.kv_cache_dtype or "auto", "quantization": args.quantization,
+        "page_size": args.page_size or 1,
+        "tp_size": args.tp_size,
+        "decode_attention_backend": args.decode_attention_backend or "auto",
+        "workload": workload,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "engine": engine.result.to_dict(),
+        "memory": {"copy_bandwidth_gb_s": bandwidth / 1e9, **asdict(mb), "kv_cache_tokens": engine.kv_tokens,
+                   "kv_cache_gib": engine.kv_tokens * mb.kv_bytes_per_token / 2**30},
+        "decode_steady": _step_report(engine.steady, mb, bandwidth),
+        "decode_batch1": _step_report(engine.batch1, mb, bandwidth),
+        "prefill": engine.step_stats.get("prefill"),
+        "hf": hf.to_dict() if hf else None,
+        "engine_over_hf": engine.result.output_tok_s / hf.output_tok_s if hf else None,
+    }
+    return report
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """The human-readable table of a report dict."""
+    w = r["workload"]
+    lens = (f"lengths uniform in [{w['random_range'][0]}, {w['random_range'][1]}]" if w["random_range"]
+            else f"input {w['input_len']}, output {w['output_len']} tokens")
+    lines = [f"model {r['model']} | {r['device_name']} | {r['dtype']} | weights {r.get('quantization') or r['dtype']} | "
+             f"KV {r.get('kv_cache_dtype', 'auto')} | "
+             f"tp {r['tp_size']} | decode attention {r.get('decode_attention_backend', 'auto')} | "
+             f"page size {r.get('page_size', 1)}",
+             f"workload: {w['num_prompts']} prompts, {lens}, temperature {w['temperature']}, seed {w['seed']}",
+             f"{'':<22}{'engine':>14}{'hf generate':>14}"]
+    e, h = r["engine"], r["hf"] or {}
+    for key, label, fmt in (("num_requests", "requests", "{:.0f}"), ("input_tokens", "input tokens", "{:.0f}"),
+                            ("output_tokens", "output tokens", "{:.0f}"), ("elapsed_s", "elapsed (s)", "{:.2f}"),
+                            ("output_tok_s", "output tok/s", "{:.1f}"), ("total_tok_s", "total tok/s", "{:.1f}")):
+        hf_val = fmt.format(h[key]) if key in h else "-"
+        lines.append(f"{label:<22}{fmt.format(e[key]):>14}{hf_val:>14}")
+    if r["engine_over_hf"] is not None:
+        lines.append(f"engine / hf output tok/s: {r['engine_over_hf']:.2f}x  (hf batches run to their longest "
+                     f"output; hf counts only each prompt's requested output tokens)")
+    m = r["memory"]
+    lines.append(f"copy bandwidth {m['copy_bandwidth_gb_s']:.1f} GB/s (read+write); weights read per step "
+                 f"{m['weight_bytes_read'] / 1e6:.1f} MB of {m['weight_bytes'] / 1e6:.1f} MB per rank; "
+                 f"KV {m['kv_bytes_per_token']} B/token/rank")
+    lines.append(f"KV cache {m['kv_cache_tokens']} tokens ({m['kv_cache_gib']:.1f} GiB per rank)")
+    pre = r.get("prefill") or {}
+    if pre.get("steps"):
+        lines.append(f"prefill: {pre['tokens']} tokens in {pre['steps']} steps, {pre['seconds']:.2f} s "
+                     f"({pre['tokens'] / max(pre['seconds'], 1e-9):.0f} tok/s)")
+    for key in ("decode_steady", "decode_batch1"):
+        s = r[key]
+        if s is not None:
+            lines.append(f"decode step (batch {s['batch_size']}, {s['steps']} steps, mean KV {s['mean_kv_tokens']:.0f}"
+                         f" tokens): {s['mean_step_ms']:.2f} ms; bandwidth floor {s['floor_ms']:.2f} ms; "
+                         f"step/floor {s['step_over_floor']:.2f}")
+    return "\n".join(lines)

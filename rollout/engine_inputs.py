@@ -1,0 +1,81 @@
+"""Turning ``Engine.generate``'s arguments into one validated (prompt, token ids, SamplingParams, request id)
+per prompt, the way vLLM's ``LLM.generate`` takes them: strings, token-id lists, ``{"prompt",
+"prompt_token_ids"}`` dicts or chat message lists; one SamplingParams (or dict) for all or one per prompt."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from rollout.sampling_params import SamplingParams
+
+PromptItem = tuple[Any, Any, SamplingParams, Any]  # (text | None, token ids | None, params, request id | None)
+
+
+def normalize(prompts: Any, prompt_token_ids: Any, sampling_params: Any, request_id: Any,
+              apply_chat_template: Callable[[list[dict[str, Any]]], list[int]]) -> list[PromptItem]:
+    """One (text, token ids, params, request id) per prompt; ValueError naming the problem."""
+    if prompt_token_ids is not None:
+        if prompts is not None:
+            raise ValueError("pass prompts or prompt_token_ids, not both")
+        pairs = _token_id_prompts(prompt_token_ids)
+    else:
+        if prompts is None:
+            raise ValueError("no prompts given")
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        pairs = [_prompt_pair(p, apply_chat_template) for p in prompts]
+    if not pairs:
+        raise ValueError("no prompts given")
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != len(pairs):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(pairs)} prompts")
+        params = [SamplingParams.from_any(p) for p in sampling_params]
+    else:
+        params = [SamplingParams.from_any(sampling_params)] * len(pairs)
+    rids = request_ids(request_id, len(pairs))
+    return [(text, ids, p, rid) for (text, ids), p, rid in zip(pairs, params, rids)]
+
+
+def _token_id_prompts(prompt_token_ids: Any) -> list[tuple[None, list[int]]]:
+    if not isinstance(prompt_token_ids, (list, tuple)):
+        raise ValueError(f"prompt_token_ids must be a list of token-id lists, got {type(prompt_token_ids).__name__}")
+    if prompt_token_ids and not isinstance(prompt_token_ids[0], (list, tuple)):
+        prompt_token_ids = [prompt_token_ids]
+    if not all(isinstance(ids, (list, tuple)) for ids in prompt_token_ids):
+        raise ValueError("prompt_token_ids must be one list of token ids or a list of them")
+    return [(None, list(ids)) for ids in prompt_token_ids]
+
+
+def _prompt_pair(prompt: Any, apply_chat_template: Callable[[list[dict[str, Any]]], list[int]]
+                 ) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"], None
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        return None, apply_chat_template(list(prompt))
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+
+def request_ids(request_id: Any, count: int) -> list[str | None]:
+    """One request id (or None: a fresh one) per prompt from ``request_id``: None, a string for one prompt,
+    or a list of distinct strings, one per prompt."""
+    if request_id is None:
+        return [None] * count
+    if isinstance(request_id, str):
+        if count > 1:
+            raise ValueError(f"request_id: one id for {count} prompts; pass a list of {count} ids")
+        return [request_id]
+    if not isinstance(request_id, (list, tuple)):
+        raise ValueError(f"request_id must be a string or a list of strings, got {request_id!r}")
+    if len(request_id) != count:
+        raise ValueError(f"request_id: got {len(request_id)} ids for {count} prompts")
+    if not all(isinstance(r, str) and r for r in request_id) or len(set(request_id)) != count:
+        raise ValueError(f"request_id must be distinct, non-empty strings, got {list(request_id)!r}")
+    return list(request_id)

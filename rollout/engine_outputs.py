@@ -1,0 +1,152 @@
+"""Waiting for a batch of submitted requests, whole or as delta chunks, from sync or asyncio code.
+
+Every function submits its items through the ``TokenizerManager`` (whose receiver thread calls each
+request's sink) and aborts whatever is unfinished when the caller stops early (an exception, a cancelled
+task, an abandoned stream), so nothing keeps running for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from typing import AsyncIterator, Iterator
+
+from rollout.engine_inputs import PromptItem
+from rollout.outputs import RequestOutput
+from rollout.request_state import ReqState
+from rollout.tokenizer_manager import TokenizerManager
+
+
+def run_batch(tm: TokenizerManager, items: list[PromptItem], use_tqdm: bool) -> list[RequestOutput]:
+    """Submit every item and block until all finished (a tqdm bar with output tokens/s when ``use_tqdm``)."""
+    done: queue.Queue = queue.Queue()
+    states: list[ReqState] = []
+    try:
+        for prompt, ids, params, rid in items:
+            states.append(tm.submit(prompt, ids, params, _finish_sink(done), rid))
+        _wait_all(done, len(states), use_tqdm and len(states) > 1)
+    except BaseException:
+        _abort_unfinished(tm, states)
+        raise
+    return [_result(tm, state) for state in states]
+
+
+async def run_batch_async(tm: TokenizerManager, items: list[PromptItem]) -> list[RequestOutput]:
+    """``run_batch`` for asyncio callers (any event loop)."""
+    loop = asyncio.get_running_loop()
+    futures, states = [], []
+    try:
+        for prompt, ids, params, rid in items:
+            fut = loop.create_future()
+            futures.append(fut)
+            states.append(tm.submit(prompt, ids, params, _future_sink(loop, fut), rid))
+        await asyncio.gather(*futures)
+    except BaseException:
+        _abort_unfinished(tm, states)
+        raise
+    return [_result(tm, state) for state in states]
+
+
+def stream(tm: TokenizerManager, items: list[PromptItem]) -> Iterator[RequestOutput]:
+    """Submit now (like any request), then iterate over delta chunks as they arrive."""
+    updates: queue.Queue = queue.Queue()
+    states = [tm.submit(prompt, ids, params, updates.put, rid, stream=True) for prompt, ids, params, rid in items]
+    return _iterate(tm, states, updates)
+
+
+def _iterate(tm: TokenizerManager, states: list[ReqState], updates: queue.Queue) -> Iterator[RequestOutput]:
+    try:
+        remaining = len(states)
+        while remaining:
+            chunk = _chunk(tm, updates.get())
+            if chunk is not None:
+                remaining -= chunk.finished
+                yield chunk
+    finally:
+        _abort_unfinished(tm, states)
+
+
+def astream(tm: TokenizerManager, items: list[PromptItem]) -> AsyncIterator[RequestOutput]:
+    """``stream`` for asyncio callers: an async iterator of delta chunks."""
+    loop = asyncio.get_running_loop()
+    updates: asyncio.Queue = asyncio.Queue()
+    sink = lambda state: loop.call_soon_threadsafe(updates.put_nowait, state)  # noqa: E731
+    states = [tm.submit(prompt, ids, params, sink, rid, stream=True) for prompt, ids, params, rid in items]
+    return _aiterate(tm, states, updates)
+
+
+async def _aiterate(tm: TokenizerManager, states: list[ReqState], updates: asyncio.Queue
+                    ) -> AsyncIterator[RequestOutput]:
+    try:
+        remaining = len(states)
+        while remaining:
+            chunk = _chunk(tm, await updates.get())
+            if chunk is not None:
+                remaining -= chunk.finished
+                yield chunk
+    finally:
+        _abort_unfinished(tm, states)
+
+
+def _abort_unfinished(tm: TokenizerManager, states: list[ReqState]) -> None:
+    for state in states:
+        if not state.finished:
+            tm.abort(state.rid)
+
+
+def _chunk(tm: TokenizerManager, state: ReqState) -> RequestOutput | None:
+    if state.closed:
+        return None
+    if state.error is not None:
+        _raise(state)
+    out = tm.build_output(state, delta=True)
+    state.closed = out.finished
+    return out
+
+
+def _result(tm: TokenizerManager, state: ReqState) -> RequestOutput:
+    if state.error is not None:
+        _raise(state)
+    return tm.build_output(state)
+
+
+def _raise(state: ReqState) -> None:
+    exc = ValueError if state.error_type == "ValueError" else RuntimeError
+    raise exc(f"request {state.rid}: {state.error}")
+
+
+def _finish_sink(done: queue.Queue):
+    def sink(state: ReqState) -> None:
+        if state.finished:
+            done.put(state)
+    return sink
+
+
+def _future_sink(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
+    def resolve() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    def sink(state: ReqState) -> None:
+        if state.finished:
+            loop.call_soon_threadsafe(resolve)
+    return sink
+
+
+def _wait_all(done: queue.Queue, total: int, show: bool) -> None:
+    """Block until ``total`` requests finished, with a tqdm bar showing output tokens/s."""
+    bar = None
+    if show:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)
+    start, tokens = time.monotonic(), 0
+    for _ in range(total):
+        state = done.get()
+        tokens += sum(len(s.token_ids) for s in state.seqs)
+        if bar is not None:
+            bar.set_postfix_str(f"out {tokens / max(time.monotonic() - start, 1e-9):.1f} tok/s", refresh=False)
+            bar.update(1)
+    if bar is not None:
+        bar.close()

@@ -1,0 +1,153 @@
+"""``KVCacheManager``: the KV slots of one scheduler (the slot allocator, the request table) and the radix
+prefix cache that shares them between requests.
+
+Contract (page size P, SGLang's ``page_size``):
+- A placed request holds ``kv_len`` slots listed in its table row ``pool_row``. The first ``prefix_len``
+  (whole pages) belong to a radix tree, locked through ``req.last_node`` of ``req.tree``; the rest are the
+  request's own.
+- ``release(req)`` hands the request's computed whole pages to the tree (slots the tree already had are
+  freed), frees its last partial page and its row, and unlocks its node: every lock taken is given back
+  exactly once.
+- ``invalidate()`` after the weights change: KV computed by the old weights must never be shared again.
+  Unlocked entries are freed at once; when running requests (paused in place) still hold entries, the
+  whole tree is retired instead and a fresh one serves new requests. A retired tree's requests free
+  their KV at release (none of it is shared), and the tree is dropped when its last request leaves.
+- ``evict`` (through ``ensure_free``) frees least recently used unlocked leaves first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.mem_cache.kv_pool import ReqToTokenPool, SlotAllocator
+from rollout.mem_cache.radix_cache import RadixCache, TreeNode
+from rollout.scheduler.req import Req
+
+
+class KVCacheManager:
+    def __init__(self, allocator: SlotAllocator, req_pool: ReqToTokenPool, page_size: int = 1,
+                 disable_radix_cache: bool = False) -> None:
+        self.allocator = allocator
+        self.req_pool = req_pool
+        self.page_size = page_size
+        self.disabled = disable_radix_cache
+        self.tree = self._new_tree()
+        self.stale_trees: list[RadixCache] = []
+
+    def _new_tree(self) -> RadixCache:
+        return RadixCache(self.allocator.free, disabled=self.disabled, page_size=self.page_size)
+
+    # ---- accounting ---------------------------------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        return self.allocator.num_slots
+
+    @property
+    def used(self) -> int:
+        """Slots held by requests (cached entries that could be evicted do not count)."""
+        return self.allocator.num_slots - self.allocator.available - self.tree.evictable_size
+
+    def slots_needed(self, n: int, kv_len: int = 0) -> int:
+        """Free-page slots that ``n`` more tokens after ``kv_len`` take."""
+        return self.allocator.slots_needed(n, kv_len)
+
+    def headroom(self, requests: int) -> int:
+        """Slots kept free for the next decode token of ``requests`` running requests (a page each)."""
+        return requests * self.page_size
+
+    def ensure_free(self, n: int) -> bool:
+        """Evict unlocked cache entries until ``n`` slots are free; False if that is impossible."""
+        short = n - self.allocator.available
+        if short > 0:
+            self.tree.evict(short)
+        return self.allocator.available >= n
+
+    # ---- placing requests ---------------------------------------------------------------------
+
+    def match(self, tokens: list[int]) -> tuple[torch.Tensor, TreeNode]:
+        """The slots of the longest cached prefix of ``tokens`` (whole pages) and the node it ends at."""
+        return self.tree.match_prefix(tokens)
+
+    def lock(self, node: TreeNode) -> None:
+        self.tree.inc_lock_ref(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        self.tree.dec_lock_ref(node)
+
+    def place(self, req: Req, prefix: torch.Tensor, node: TreeNode) -> None:
+        """Give a waiting request a table row starting with the cached ``prefix`` (``node`` already locked)."""
+        req.pool_row = self.req_pool.alloc()
+        self.req_pool.write(req.pool_row, 0, prefix)
+        req.kv_len = req.prefix_len = len(prefix)
+        req.last_node, req.tree = node, self.tree
+
+    def extend(self, req: Req, n: int) -> None:
+        """Take ``n`` slots (already ensured free) for the request's next ``n`` tokens."""
+        last = int(self.req_pool.last_slots([req.pool_row], [req.kv_len])[0])
+        self.req_pool.write(req.pool_row, req.kv_len, self.allocator.alloc(n, req.kv_len, last))
+
+    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
+        """One slot (already ensured free) for each request's next token, written to the host table only
+        (the model runner writes the device table with the step)."""
+        rows, positions = [r.pool_row for r in reqs], [r.kv_len for r in reqs]
+        slots = self.allocator.alloc_decode(positions, self.req_pool.last_slots(rows, positions))
+        self.req_pool.write_many(rows, positions, slots, device=False)
+        return slots
+
+    def decode_slots_needed(self, reqs: list[Req]) -> int:
+        """Free-page slots a decode step over ``reqs`` takes (one token each)."""
+        if self.page_size == 1:
+            return len(reqs)
+        return sum(self.allocator.slots_needed(1, r.kv_len) for r in reqs)
+
+    # ---- sharing and releasing ----------------------------------------------------------------
+
+    def cache_prefix(self, req: Req) -> None:
+        """Hand a freshly prefilled request's KV to the tree so later requests can share it (its whole pages:
+        a last, partly filled page stays the request's own)."""
+        if self.tree.disabled or req.tree is not self.tree:
+            return
+        tokens = req.fill_ids[:req.kv_len]
+        slots = self.req_pool.slots(req.pool_row, req.kv_len)
+        already = self.tree.insert(tokens, slots)
+        self.allocator.free(slots[req.prefix_len:already])
+        shared, node = self.tree.match_prefix(tokens)
+        self.req_pool.write(req.pool_row, req.prefix_len, shared[req.prefix_len:already])
+        self.tree.inc_lock_ref(node)
+        self.tree.dec_lock_ref(req.last_node)
+        req.last_node, req.prefix_len = node, len(shared)
+
+    def release(self, req: Req) -> None:
+        """Return a request's KV: computed tokens go to the tree (or are freed), its row is freed."""
+        if req.pool_row is None:
+            return
+        slots = self.req_pool.slots(req.pool_row, req.kv_len)
+        if self.tree.disabled:
+            self.allocator.free(slots)
+        elif req.tree is not self.tree:  # KV from older weights: never share it, free it
+            self.allocator.free(slots[req.prefix_len:])
+            req.tree.dec_lock_ref(req.last_node)
+            req.tree.evict(req.tree.evictable_size)
+            if req.tree.total_size == 0:
+                self.stale_trees.remove(req.tree)
+        else:
+            already = self.tree.insert(req.fill_ids[:req.kv_len], slots)
+            self.allocator.free(slots[req.prefix_len:already])
+            self.allocator.free(slots[req.kv_len - req.kv_len % self.page_size:])  # a last partial page
+            self.tree.dec_lock_ref(req.last_node)
+        self.req_pool.free(req.pool_row)
+        req.pool_row, req.kv_len, req.prefix_len, req.last_node, req.tree = None, 0, 0, None, None
+
+    def flush(self) -> bool:
+        """Drop every cached entry; False (nothing changed) while running requests hold entries."""
+        return self.tree.flush()
+
+    def invalidate(self) -> None:
+        """The weights changed: no KV computed before may be shared from now on (see the module contract)."""
+        if self.tree.flush():
+            return
+        stale = self.tree
+        stale.evict(stale.evictable_size)
+        self.stale_trees.append(stale)
+        self.tree = self._new_tree()

@@ -1,0 +1,64 @@
+"""Decode batches and retraction: every running request gets one token per step.
+
+Policy (``DecodeManager``): a decode step takes every running request that the step in flight does not
+already end by length. When the KV pool has no slot left for them, the most recently admitted request is
+retracted (its KV released, requeued at the front of the waiting queue, re-prefilled later with its
+output so far); the last request standing that still does not fit is aborted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rollout.io_struct import FinishReason
+from rollout.model_executor.forward_batch import ForwardMode
+from rollout.model_executor.model_runner import StepInput
+from rollout.scheduler.cache import KVCacheManager
+from rollout.scheduler.output import OutputManager
+from rollout.scheduler.req import Req
+from rollout.scheduler.stats import SchedulerStats
+
+
+class DecodeManager:
+    def __init__(self, cache: KVCacheManager, outputs: OutputManager, stats: SchedulerStats) -> None:
+        self.cache = cache
+        self.outputs = outputs
+        self.stats = stats
+
+    @staticmethod
+    def candidates(running: list[Req]) -> list[Req]:
+        """Running requests, less those that the step in flight ends by length (known without its tokens)."""
+        return [r for r in running if not r.ends_by_length()]
+
+    def can_overlap(self, reqs: list[Req]) -> bool:
+        """Whether a step over ``reqs`` can launch before the step in flight is read: their slots are free,
+        and no request's sampling reads tokens that are not on the host yet (penalties)."""
+        return (self.cache.ensure_free(self.cache.decode_slots_needed(reqs))
+                and not any(r.inflight_tokens and r.needs_history for r in reqs))
+
+    def make_room(self, running: list[Req], waiting: deque[Req]) -> list[Req]:
+        """Retract requests until the rest fit one decode step; returns the step's requests (nothing may be
+        in flight: retraction releases KV)."""
+        reqs = self.candidates(running)
+        while not self.cache.ensure_free(self.cache.decode_slots_needed(reqs)):
+            victim = running.pop()
+            if not running:
+                self.cache.release(victim)
+                self.outputs.finish(victim, FinishReason("abort", message="sequence does not fit in the KV cache"))
+                return []
+            self.retract(victim, waiting)
+            reqs = self.candidates(running)
+        return reqs
+
+    def retract(self, req: Req, waiting: deque[Req]) -> None:
+        """Give a running request's KV back and requeue it at the front; it resumes by re-prefilling."""
+        self.cache.release(req)
+        waiting.appendleft(req)
+        self.stats.retractions += 1
+
+    def build_step(self, reqs: list[Req]) -> StepInput:
+        """One decode step over ``reqs`` (their next slots taken here)."""
+        slots = self.cache.alloc_decode(reqs)
+        positions = [r.kv_len for r in reqs]
+        return StepInput(ForwardMode.DECODE, [r.pool_row for r in reqs], None, positions, slots,
+                         [p + 1 for p in positions], [1] * len(reqs))

@@ -1,0 +1,271 @@
+"""``WeightSync``: the scheduler's weight-update component (SGLang's SchedulerUpdateWeightsMixin, as a
+component with explicit dependencies instead of a mixin).
+
+Every TP rank runs these handlers in lockstep, each with the typed request from ``rollout.io_struct``. The
+scheduler runs the ``WeightUpdateReq`` ones only when no request is in flight (or generation is paused in
+place), so no forward reads weights while they change. A completed update drops the KV computed by the old
+weights (``KVCacheManager.invalidate``) and names the new ``weight_version``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+from rollout.distributed import TPGroup
+from rollout.io_struct import (BenchmarkReceiveReq, DestroyProcessGroupReq, FlushCacheReq, GetWeightsByNameReq,
+                               GetWeightVersionReq, InitProcessGroupReq, RollbackWeightsReq, UpdateWeightReq,
+                               UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq,
+                               UpdateWeightVersionReq, WeightsFingerprintReq)
+from rollout.weights.buckets import parse_specs
+from rollout.weights.group import WeightGroups
+from rollout.weights.updater import TransferError, WeightUpdater, assemble
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = (None, "flattened_bucket", "auto")
+
+
+@dataclass
+class UpdateResult:
+    """What one update call did (the reply of every update call, with its timings)."""
+
+    loaded: int
+    bytes: int
+    seconds: float
+    complete: bool
+    weight_version: str
+
+
+class WeightSync:
+    """Update calls, groups and the weight version of one TP rank.
+
+    ``cache`` is the rank's ``KVCacheManager``: a completed update calls its ``invalidate()``."""
+
+    def __init__(self, updater: WeightUpdater, tp: TPGroup, device: torch.device, cache: Any,
+                 weight_version: str) -> None:
+        self.updater = updater
+        self.groups = WeightGroups()
+        self.tp = tp
+        self.device = device
+        self.cache = cache
+        self.weight_version = weight_version
+        self.version_before_session: str | None = None
+        self.timing: dict[str, float] = {}
+
+    def handlers(self) -> dict[type, Callable[[Any], Any]]:
+        """The control requests this component runs, by type (part of ``Scheduler.control_handlers``)."""
+        return {
+            InitProcessGroupReq: self.init_process_group, DestroyProcessGroupReq: self.destroy_process_group,
+            UpdateWeightReq: self.update_weight,
+            UpdateWeightsFromDistributedReq: self.update_weights_from_distributed,
+            UpdateWeightsFromTensorReq: self.update_weights_from_tensor,
+            UpdateWeightsFromDiskReq: self.update_weights_from_disk, RollbackWeightsReq: self.rollback_weights,
+            BenchmarkReceiveReq: self.benchmark_receive, FlushCacheReq: self.flush_cache,
+            UpdateWeightVersionReq: self.update_weight_version, GetWeightVersionReq: self.get_weight_version,
+            GetWeightsByNameReq: self.get_weights_by_name, WeightsFingerprintReq: self.weights_fingerprint,
+        }
+
+    # ---- groups -------------------------------------------------------------------------------
+
+    def init_process_group(self, req: InitProcessGroupReq) -> bool:
+        self.groups.join(req.master_address, req.master_port, req.rank_offset + self.tp.rank, req.world_size,
+                         req.group_name, req.backend, req.timeout, self.device.type)
+        return True
+
+    def destroy_process_group(self, req: DestroyProcessGroupReq) -> bool:
+        self.groups.leave(req.group_name)
+        return True
+
+    # ---- updates ------------------------------------------------------------------------------
+
+    def update_weight(self, req: UpdateWeightReq) -> dict[str, Any]:
+        """OpenRLHF's per-tensor call; the sender is already broadcasting, so always receive."""
+        return self._from_distributed([req.name], [req.dtype], [req.shape], req.group_name, req.empty_cache,
+                                      None, None, False)
+
+    def update_weights_from_distributed(self, req: UpdateWeightsFromDistributedReq) -> dict[str, Any]:
+        return self._from_distributed(req.names, req.dtypes, req.shapes, req.group_name, req.flush_cache,
+                                      req.weight_version, req.load_format, req.check_finite)
+
+    def _from_distributed(self, names: Any, dtypes: Any, shapes: Any, group_name: str | None, flush_cache: bool,
+                          weight_version: str | None, load_format: str | None, check_finite: bool) -> dict[str, Any]:
+        start = time.perf_counter()
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"unsupported load_format {load_format!r} (use None or 'flattened_bucket')")
+        specs = parse_specs(names, dtypes, shapes)
+        group_name, group = self.groups.get(group_name)
+        problems = self.updater.problems(specs)
+        t_recv = time.perf_counter()
+        try:
+            tensors = self.updater.receive(specs, group, load_format == "flattened_bucket")
+        except TransferError as e:
+            self._transfer_failed(group_name, str(e))
+            raise
+        self.timing = {"validate_s": t_recv - start, "receive_s": time.perf_counter() - t_recv}
+        return self._apply(tensors, problems, start, flush_cache, weight_version, check_finite, group_name)
+
+    def update_weights_from_tensor(self, req: UpdateWeightsFromTensorReq) -> dict[str, Any]:
+        """Colocated trainer: tensors shared by handle (CUDA IPC) or through a shared-memory buffer."""
+        from rollout.weights.shared_tensors import open_shared
+
+        start = time.perf_counter()
+        specs = parse_specs([s[0] for s in req.specs], [s[1] for s in req.specs], [s[2] for s in req.specs])
+        problems = self.updater.problems(specs)
+        tensors = open_shared(specs, req.payload)
+        self.timing = {}
+        return self._apply(tensors, problems, start, req.flush_cache, req.weight_version, req.check_finite, None)
+
+    def update_weights_from_disk(self, req: UpdateWeightsFromDiskReq) -> dict[str, Any]:
+        """Reload every parameter from a checkpoint directory (checked against its headers first)."""
+        from rollout.models.loader import iter_safetensors, read_safetensors_shapes
+
+        start = time.perf_counter()
+        shapes = read_safetensors_shapes(req.model_path)
+        wm = self.updater.weight_map
+        names = [n for n in shapes if not wm.is_ignored(n)]
+        problems = self.updater.problems(parse_specs(names, [shapes[n][0] for n in names],
+                                                     [list(shapes[n][1]) for n in names]))
+        missing = sorted(set(wm.shapes) - {wm.canonical(n) for n in names})
+        if missing:
+            problems.append(f"checkpoint {req.model_path!r} lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        if problems:
+            raise ValueError("; ".join(problems[:5]))
+        nbytes = 0
+        try:
+            for name, tensor in iter_safetensors(req.model_path):
+                if not wm.is_ignored(name):
+                    self.updater.load([(name, tensor)])
+                    nbytes += tensor.numel() * tensor.element_size()
+        except Exception as e:  # noqa: BLE001 - a read failing half way leaves mixed weights
+            self.updater.mark_inconsistent(f"reloading from {req.model_path!r} failed: {e}")
+            raise RuntimeError(self.updater.inconsistent) from e
+        self.timing = {}
+        return self._finish(start, len(names), nbytes, self.updater.end_session(explicit=True), req.weight_version)
+
+    def rollback_weights(self, req: Any = None) -> dict[str, Any]:
+        start = time.perf_counter()
+        self.updater.rollback()
+        self.weight_version = self.version_before_session or self.weight_version
+        self.cache.invalidate()
+        return {"weight_version": self.weight_version, "seconds": time.perf_counter() - start}
+
+    def benchmark_receive(self, req: BenchmarkReceiveReq) -> float:
+        """Receive ``num_chunks`` raw broadcasts of ``nbytes`` each and discard them (the transport's
+        ceiling for the weight-sync benchmark); returns the seconds this rank spent."""
+        _, group = self.groups.get(req.group_name)
+        buf = torch.empty(req.nbytes, dtype=torch.uint8, device=self.device)
+        start = time.perf_counter()
+        for _ in range(req.num_chunks):
+            torch.distributed.broadcast(buf, src=0, group=group)
+        if buf.is_cuda:
+            torch.cuda.synchronize(buf.device)
+        return time.perf_counter() - start
+
+    # ---- sessions, version, state --------------------------------------------------------------
+
+    def flush_cache(self, req: Any = None) -> bool:
+        """Drop the prefix cache (False while running requests hold entries); ends a per-tensor session."""
+        if self.updater.end_session(explicit=True):
+            self._complete(None)
+            return True
+        return self.cache.flush()
+
+    def expire_session(self) -> None:
+        """The open session's trainer went silent for its group timeout: the weights are a mix, so mark them
+        inconsistent and tear down the group (the scheduler then fails the held requests)."""
+        up = self.updater
+        if not up.session:
+            return
+        name = up.session_group
+        timeout = self.groups.timeout(name)
+        self.groups.drop(name)
+        up.mark_inconsistent(f"the update session was abandoned: no update call on group {name!r} within its "
+                             f"timeout of {timeout:g} s (the trainer stopped or died)")
+        logger.error("%s", up.inconsistent)
+
+    def update_weight_version(self, req: UpdateWeightVersionReq) -> str:
+        self.weight_version = str(req.weight_version)
+        return self.weight_version
+
+    def get_weight_version(self, req: Any = None) -> str:
+        return self.weight_version
+
+    def state(self) -> dict[str, Any]:
+        up = self.updater
+        return {"state": up.state, "reason": up.inconsistent, "updated": len(up.session),
+                "total": len(up.weight_map.shapes), "weight_version": self.weight_version,
+                "groups": self.groups.names()}
+
+    def refusal(self) -> str:
+        return f"the engine refuses to generate: {self.updater.inconsistent}"
+
+    # ---- verification -------------------------------------------------------------------------
+
+    def get_weights_by_name(self, req: GetWeightsByNameReq) -> list[float]:
+        wm = self.updater.weight_map
+        wm.check(req.name, wm.shapes.get(wm.canonical(req.name), ()))
+        parts = self.tp.gather_object(self.updater.local_tensor(req.name))
+        if self.tp.rank != 0:
+            return []
+        full = assemble(parts, wm.shapes[wm.canonical(req.name)])
+        return full.float().flatten()[:req.truncate_size].tolist()
+
+    def weights_fingerprint(self, req: Any = None) -> str:
+        from rollout.weights.fingerprint import combine_fingerprint
+
+        parts = self.tp.gather_object(self.updater.fingerprint_parts())
+        if self.tp.rank != 0:
+            return ""
+        return combine_fingerprint(parts, self.updater.weight_map.fingerprint_shapes)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _apply(self, tensors: list[tuple[str, torch.Tensor]], problems: list[str], start: float, flush_cache: bool,
+               weight_version: str | None, check_finite: bool, group_name: str | None) -> dict[str, Any]:
+        """Reject (weights untouched) or load, then close the session if it is complete."""
+        if problems:
+            raise ValueError("; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+        if check_finite:
+            bad = self.updater.nonfinite(tensors)
+            if bad:
+                raise ValueError(f"non-finite values in {bad[:5]}")
+        if not self.updater.session:
+            self.version_before_session = self.weight_version
+        t_load = time.perf_counter()
+        self.updater.load(tensors)
+        self.timing["load_s"] = time.perf_counter() - t_load
+        self.updater.touch_deadline(group_name, self.groups.timeout(group_name))
+        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        done = self.updater.end_session(explicit=flush_cache or weight_version is not None)
+        return self._finish(start, len(tensors), nbytes, done, weight_version)
+
+    def _finish(self, start: float, loaded: int, nbytes: int, complete: bool, weight_version: str | None
+                ) -> dict[str, Any]:
+        t_flush = time.perf_counter()
+        if complete:
+            self._complete(weight_version)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.timing["flush_s"] = time.perf_counter() - t_flush
+        result = UpdateResult(loaded, nbytes, time.perf_counter() - start, complete, self.weight_version)
+        return {**asdict(result), **self.timing}
+
+    def _complete(self, weight_version: str | None) -> None:
+        """Weights are whole again: drop stale KV and name the new version."""
+        self.weight_version = str(weight_version) if weight_version is not None else _next_version(self.weight_version)
+        self.cache.invalidate()
+
+    def _transfer_failed(self, group_name: str, message: str) -> None:
+        self.groups.drop(group_name)
+        if self.updater.session:
+            self.updater.mark_inconsistent(f"a transfer failed mid-update ({message})")
+        logger.error("weight transfer on group %r failed: %s", group_name, message)
+
+
+def _next_version(version: str) -> str:
+    return str(int(version) + 1) if version.isdigit() else f"{version}+1"
