@@ -5,13 +5,12 @@ lm-evaluation-harness 0.4.13 sends for loglikelihood (``local-completions``: ech
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 
 from conftest import prompts_of_lengths
 from rollout import Engine, SamplingParams
-from test_server_launch import ServerProcess
+from test_server_launch import server_client
 
 TOL = 1e-5
 
@@ -93,13 +92,8 @@ def test_prompt_logprobs_tp2(path, model):
 
 @pytest.fixture(scope="module")
 def http(path):
-    srv = ServerProcess(path)
-    try:
-        srv.wait_ready()
-        with httpx.Client(base_url=srv.url, timeout=60) as client:
-            yield client
-    finally:
-        assert srv.stop()
+    with server_client(path) as client:
+        yield client
 
 
 def _local_completions_parse(out: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:

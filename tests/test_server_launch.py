@@ -11,7 +11,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import psutil
 import pytest
@@ -92,6 +93,21 @@ class ServerProcess:
         if not clean or alive:
             print(f"server exit {self.proc.returncode}, children alive: {alive}\n{log}")
         return clean and not alive
+
+
+@contextmanager
+def server_client(model_path: str, *flags: str) -> Iterator[Any]:
+    """An httpx client of a real server (``ServerProcess``, no API key) on ``model_path``; the server must
+    shut down cleanly at the end."""
+    import httpx
+
+    srv = ServerProcess(model_path, *flags)
+    try:
+        srv.wait_ready()
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            yield client
+    finally:
+        assert srv.stop(), "the server did not shut down cleanly (or left engine processes behind)"
 
 
 def metrics(http: Any) -> dict[str, float]:

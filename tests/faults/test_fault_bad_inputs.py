@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import math
 
-import httpx
 import pytest
 import torch
 
 from rollout import Engine, SamplingParams
-from test_server_launch import ServerProcess
+from test_server_launch import server_client
 
 P = [[5, 6, 7]]  # a valid prompt
 NAME = "model.layers.0.mlp.up_proj.weight"
@@ -158,13 +157,8 @@ def engine(path):
 
 @pytest.fixture(scope="module")
 def http(path):
-    srv = ServerProcess(path)
-    try:
-        srv.wait_ready()
-        with httpx.Client(base_url=srv.url, timeout=60) as client:
-            yield client
-    finally:
-        assert srv.stop(), "the server did not shut down cleanly"
+    with server_client(path) as client:
+        yield client
 
 
 def test_the_suite_covers_at_least_fifty_kinds():
