@@ -46,6 +46,22 @@ class HFReference:
         return hf_logprobs(self.model, prompt_ids, output_ids)
 
 
+@pytest.fixture(scope="module")
+def path(tiny_dir):
+    """The tiny Llama checkpoint most modules test on."""
+    return tiny_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def engine(path):
+    """An engine on ``path`` for the module (float32, CPU): the Python API, and the reference the HTTP tests
+    compare the server with."""
+    from rollout import Engine
+
+    with Engine(path, dtype="float32", device="cpu") as e:
+        yield e
+
+
 @pytest.fixture(scope="session")
 def hf_reference():
     cache: dict = {}

@@ -15,17 +15,6 @@ from rollout import Engine, RequestOutput, SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def path(tiny_dir):
-    return tiny_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def engine(path):
-    with Engine(path, dtype="float32", device="cpu") as e:
-        yield e
-
-
 def test_text_prompts_and_output_shape(engine, path, hf_reference):
     outs = engine.generate(["hello world", "the sky is"], SamplingParams(temperature=0, max_new_tokens=6, logprobs=2),
                            use_tqdm=False)

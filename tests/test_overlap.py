@@ -16,11 +16,6 @@ from rollout.io_struct import GenerateReq
 from rollout.scheduler.scheduler import Scheduler
 
 
-@pytest.fixture(scope="module")
-def path(tiny_dir):
-    return tiny_dir("llama")
-
-
 def _mixed_params(stop_token: int) -> list[SamplingParams]:
     """Requests that end at different steps and for different reasons, some sampling, some penalized."""
     return [

@@ -37,11 +37,6 @@ def check(out, model, prompt: list[int], k: int, start: int = 0) -> None:
 
 
 @pytest.fixture(scope="module")
-def path(tiny_dir):
-    return tiny_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def model(path, hf_reference):
     return hf_reference(path).model
 

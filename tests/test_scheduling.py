@@ -11,11 +11,6 @@ from rollout import Engine, SamplingParams
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def path(tiny_dir):
-    return tiny_dir("llama")
-
-
 @pytest.fixture(scope="module", params=[1, 4], ids=["page1", "page4"])
 def page(request):
     return request.param

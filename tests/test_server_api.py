@@ -23,24 +23,12 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
 
 
 @pytest.fixture(scope="module")
-def path(tiny_dir):
-    return tiny_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def server(path):
     srv = ServerProcess(path, api_key=KEY)
     try:
         yield srv.wait_ready()
     finally:
         assert srv.stop(), "the server did not shut down cleanly (or left engine processes behind)"
-
-
-@pytest.fixture(scope="module")
-def engine(path):
-    """The Python API on the same settings: the reference for every output the server gives."""
-    with Engine(path, dtype="float32", device="cpu") as e:
-        yield e
 
 
 @pytest.fixture(scope="module")

@@ -52,11 +52,6 @@ def run_trainer(url: str, api_key: str, path: str, port: int, commands: Any, res
 
 
 @pytest.fixture(scope="module")
-def path(tiny_dir):
-    return tiny_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def server(path):
     srv = ServerProcess(path, api_key=KEY)
     try:

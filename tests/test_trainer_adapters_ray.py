@@ -24,11 +24,6 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def path(tiny_dir):
-    return tiny_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def engines(cluster, path):
     from trainer_adapters import create_engines
 

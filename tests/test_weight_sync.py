@@ -74,11 +74,6 @@ def test_trainer_group_works_with_plain_broadcast_without_a_default_group():
     assert got == [(0, False, [0.0, 1, 2, 3, 4, 5]), (1, False, [0.0, 1, 2, 3, 4, 5])]
 
 
-@pytest.fixture(scope="module")
-def path(tiny_dir):
-    return tiny_dir("llama")
-
-
 def test_every_update_mode_tp1(path):
     modes = ["bucket", "per_tensor", "openrlhf", "sglang", "disk", "tensor"]
     with Engine(path, dtype="float32", device="cpu") as engine:

@@ -145,17 +145,6 @@ HTTP_BAD = [
 
 
 @pytest.fixture(scope="module")
-def path(tiny_dir):
-    return tiny_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def engine(path):
-    with Engine(path, dtype="float32", device="cpu") as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
 def http(path):
     with server_client(path) as client:
         yield client
