@@ -105,14 +105,15 @@ def token_logprobs(model, samples: list[Sample], pad_id: int) -> list[torch.Tens
         ids[i, :len(x)] = torch.tensor(x)
         mask[i, :len(x)] = 1
     first = min(len(s.prompt) for s in samples) - 1  # logits only where some completion token is predicted
-    keep = torch.arange(first, width - 1)
-    logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits.float()
+    dev = model.device
+    keep = torch.arange(first, width - 1, device=dev)
+    logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), logits_to_keep=keep).logits.float()
     logp = torch.log_softmax(logits, dim=-1)
     out = []
     for i, s in enumerate(samples):
         start = len(s.prompt) - 1 - first
-        pos = torch.arange(start, start + len(s.completion))
-        out.append(logp[i, pos, torch.tensor(s.completion)])
+        pos = torch.arange(start, start + len(s.completion), device=dev)
+        out.append(logp[i, pos, torch.tensor(s.completion, device=dev)])
     return out
 
 
@@ -126,7 +127,7 @@ def grpo_minibatch(model, optimizer, samples: list[Sample], args, pad_id: int) -
         new = token_logprobs(model, micro, pad_id)
         losses = []
         for s, lp in zip(micro, new):
-            old = torch.tensor(s.old_logprobs)
+            old = torch.tensor(s.old_logprobs, device=lp.device)
             ratio = torch.exp(lp - old)
             adv = torch.full_like(ratio, s.advantage)
             unclipped, clipped_obj = ratio * adv, torch.clamp(ratio, 1 - args.clip_eps, 1 + args.clip_eps) * adv

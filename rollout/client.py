@@ -110,6 +110,24 @@ class EngineClient:
     def get_server_info(self) -> dict[str, Any]:
         return self._call("GET", "/get_server_info")
 
+    # ---- colocation -------------------------------------------------------------------------------
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return _result(self._post("/release_memory_occupation", {"tags": tags}))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return _result(self._post("/resume_memory_occupation", {"tags": tags}))
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        return _result(self._post(f"/sleep?level={int(level)}", None))
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        query = urllib.parse.urlencode([("tags", t) for t in tags or []])
+        return _result(self._post("/wake_up" + (f"?{query}" if query else ""), None))
+
+    def is_sleeping(self) -> bool:
+        return bool(self._call("GET", "/is_sleeping")["is_sleeping"])
+
     def abort(self, request_id: str) -> bool:
         return bool(self._post("/abort_request", {"rid": request_id})["success"])
 

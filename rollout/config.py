@@ -134,6 +134,9 @@ class EngineConfig:
     ``page_size`` (SGLang's name): KV slots are handed out in pages of that many tokens, each request's
     tokens filling its pages in order, and the prefix cache shares whole pages only (default 1: any
     prefix is shared).
+    ``enable_memory_saver`` (SGLang's name; vLLM's ``enable_sleep_mode``) lets a colocated trainer take the
+    engine's memory: ``Engine.sleep`` / ``release_memory_occupation`` (``rollout.model_executor.memory_saver``;
+    on a GPU it needs torch-memory-saver, in the ``gpu`` extra).
     ``quantization`` "fp8" (SGLang's and vLLM's online fp8) stores the decoder layers' projection
     weights as float8_e4m3fn with per-row scales and quantizes their inputs per token
     (``rollout.layers.quantization``): half the weight bytes and fp8 tensor-core GEMMs, at fp8
@@ -171,6 +174,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     page_size: int = 1
     skip_tokenizer_init: bool = False
+    enable_memory_saver: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

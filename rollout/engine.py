@@ -17,8 +17,9 @@ from rollout.config import EngineConfig, ModelConfig
 from rollout.dtypes import dtype_name
 from rollout.engine_inputs import PromptItem, normalize
 from rollout.io_struct import (BenchmarkReceiveReq, ContinueGenerationReq, ControlReq, DestroyProcessGroupReq,
-                               FlushCacheReq, GetLoadReq, GetStepStatsReq, GetWeightsByNameReq, GetWeightStateReq,
-                               GetWeightVersionReq, InitProcessGroupReq, PauseGenerationReq, RollbackWeightsReq,
+                               FlushCacheReq, GetLoadReq, GetMemoryStateReq, GetStepStatsReq, GetWeightsByNameReq,
+                               GetWeightStateReq, GetWeightVersionReq, InitProcessGroupReq, PauseGenerationReq,
+                               ReleaseMemoryOccupationReq, ResumeMemoryOccupationReq, RollbackWeightsReq,
                                UpdateWeightReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq,
                                UpdateWeightsFromTensorReq, UpdateWeightVersionReq, WeightsFingerprintReq)
 from rollout.launcher import launch
@@ -139,6 +140,31 @@ class Engine:
     def get_step_stats(self, reset: bool = False) -> dict[str, Any]:
         """Scheduler timings (decode steps by batch size, prefill totals); ``reset`` starts a new window."""
         return self._call(GetStepStatsReq(reset=reset))
+
+    # ---- colocation: sleep / wake_up (docs/colocation.md; needs enable_memory_saver=True) -------
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """SGLang's call: release the memory of ``tags`` ("weights", "kv_cache", "cuda_graph"; None: all) once no
+        request is in flight. Released weights are not kept: push new ones after resuming them."""
+        return self._call(ReleaseMemoryOccupationReq(tags=tags))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """SGLang's call: take back the memory of ``tags`` (None: every released tag), at the same addresses."""
+        return self._call(ResumeMemoryOccupationReq(tags=tags))
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """vLLM's call: level 1 keeps the weights in host memory and drops the KV cache; level 2 drops both (the
+        trainer pushes new weights after ``wake_up(tags=["weights"])``). Requests sent while asleep fail."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        return self._call(ReleaseMemoryOccupationReq(tags=None, keep_weights=level == 1))
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """vLLM's call: resume ``tags`` ("weights", "kv_cache"; None: everything released)."""
+        return self.resume_memory_occupation(tags)
+
+    def is_sleeping(self) -> bool:
+        return self._call(GetMemoryStateReq())["sleeping"]
 
     # ---- weight sync (docs/weight_sync.md) ------------------------------------------------------
 

@@ -54,6 +54,16 @@ class EngineHandle(Protocol):
 
     def continue_generation(self) -> Any: ...
 
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]: ...
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]: ...
+
+    def sleep(self, level: int = 1) -> dict[str, Any]: ...
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]: ...
+
+    def is_sleeping(self) -> bool: ...
+
 
 class ForwardingEngineHandle:
     """``EngineHandle`` for a proxy: every call becomes ``self._call(method, async_op, **arguments)``,
@@ -114,3 +124,18 @@ class ForwardingEngineHandle:
 
     def continue_generation(self) -> Any:
         return self._call("continue_generation", False)
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return self._call("release_memory_occupation", False, tags=tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return self._call("resume_memory_occupation", False, tags=tags)
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        return self._call("sleep", False, level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return self._call("wake_up", False, tags=tags)
+
+    def is_sleeping(self) -> bool:
+        return self._call("is_sleeping", False)

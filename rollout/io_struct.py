@@ -28,10 +28,10 @@ class AbortReq:
 @dataclass(kw_only=True)
 class ControlReq:
     """A call that every TP rank runs, answered by one ``ControlReply`` with the same ``cid`` (the
-    TokenizerManager numbers them). Each operation is a subclass; ``Scheduler.handlers`` maps it to the
-    method that runs it. Subclasses of ``ReadOnlyReq`` may run while a step is in flight; subclasses of
-    ``WeightUpdateReq`` change the weights, so they wait until no request is in flight (or generation is
-    paused) while new requests are held."""
+    TokenizerManager numbers them). Each operation is a subclass; ``Scheduler.control_handlers`` maps it to
+    the method that runs it. Subclasses of ``ReadOnlyReq`` may run while a step is in flight; subclasses of
+    ``ExclusiveReq`` (among them ``WeightUpdateReq``, the calls that write the weights) wait until no request
+    is in flight (or generation is paused in place) while new requests are held."""
 
     cid: int = -1
 
@@ -40,7 +40,12 @@ class ReadOnlyReq(ControlReq):
     """A control call that only reads scheduler state."""
 
 
-class WeightUpdateReq(ControlReq):
+class ExclusiveReq(ControlReq):
+    """A control call that runs only when no request is in flight (or generation is paused in place):
+    new requests are held until it has run."""
+
+
+class WeightUpdateReq(ExclusiveReq):
     """A control call that writes the weights."""
 
 
@@ -163,6 +168,25 @@ class UpdateWeightsFromDiskReq(WeightUpdateReq):
 
 @dataclass(kw_only=True)
 class RollbackWeightsReq(WeightUpdateReq):
+    pass
+
+
+@dataclass(kw_only=True)
+class ReleaseMemoryOccupationReq(ExclusiveReq):
+    """Release the memory of ``tags`` (None: all of ``rollout.model_executor.memory_saver.TAGS``); the weights'
+    contents are kept in host memory only with ``keep_weights`` (``sleep(level=1)``)."""
+
+    tags: list[str] | None = None
+    keep_weights: bool = False
+
+
+@dataclass(kw_only=True)
+class ResumeMemoryOccupationReq(ExclusiveReq):
+    tags: list[str] | None = None
+
+
+@dataclass(kw_only=True)
+class GetMemoryStateReq(ReadOnlyReq):
     pass
 
 

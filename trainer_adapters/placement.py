@@ -40,16 +40,20 @@ def ray_engine_actor_class(control_concurrency: int = 4) -> Any:
 
 def create_engines(num_engines: int, tensor_parallel_size: int, model_path: str, seed: int, *,
                    shared_pg: Any = None, use_gpu: bool | None = None, num_cpus_per_engine: float = 1,
-                   num_gpus_per_actor: float | None = None, weight_sync_timeout: float | None = None, wait_ready: bool = True,
+                   num_gpus_per_actor: float | None = None, num_cpus_per_actor: float | None = None,
+                   weight_sync_timeout: float | None = None, wait_ready: bool = True,
                    **engine_options: Any) -> list[Any]:
     """Start ``num_engines`` engine actors with ``tensor_parallel_size`` each; returns their handles.
 
     ``engine_options`` are ``Engine`` options or vLLM engine arguments (``dtype``, ``max_model_len``,
-    ``gpu_memory_utilization``, ``enable_prefix_caching``, ...). ``shared_pg``: place engine ``i`` in
-    bundle ``i`` of an existing placement group instead of creating one; ``num_gpus_per_actor`` (default:
-    the bundle's GPUs) below 1 lets an engine share its GPU with a colocated trainer, as OpenRLHF's hybrid
-    engine does with 0.2. ``use_gpu`` defaults to whether the cluster has GPUs. With ``wait_ready`` the call returns once every engine has loaded its model.
-    Needs ``ray.init()`` first.
+    ``gpu_memory_utilization``, ``enable_prefix_caching``, ``enable_sleep_mode``, ...).
+
+    Colocated with the trainer (OpenRLHF's hybrid engine, ``docs/colocation.md``): ``shared_pg`` places engine
+    ``i`` in bundle ``i`` of the trainer's placement group instead of a new one, and ``num_gpus_per_actor`` /
+    ``num_cpus_per_actor`` (default: the whole bundle) below the bundle's let the trainer's actor take the
+    rest, as OpenRLHF does with 0.2; pass ``enable_sleep_mode=True`` so the engine can ``sleep`` while the
+    trainer runs. ``use_gpu`` defaults to whether the cluster has GPUs. With ``wait_ready`` the call returns
+    once every engine has loaded its model. Needs ``ray.init()`` first.
     """
     import ray
     from ray.util.placement_group import placement_group
@@ -76,7 +80,8 @@ def create_engines(num_engines: int, tensor_parallel_size: int, model_path: str,
         strategy = PlacementGroupSchedulingStrategy(placement_group=shared_pg, placement_group_bundle_index=i,
                                                     placement_group_capture_child_tasks=True)
         num_gpus = bundle.get("GPU", 0) if num_gpus_per_actor is None else num_gpus_per_actor
-        engines.append(actor_cls.options(num_cpus=bundle["CPU"], num_gpus=num_gpus,
+        num_cpus = bundle["CPU"] if num_cpus_per_actor is None else num_cpus_per_actor
+        engines.append(actor_cls.options(num_cpus=num_cpus, num_gpus=num_gpus,
                                          scheduling_strategy=strategy).remote(
             model_path, tensor_parallel_size=tp, seed=seed + i, weight_sync_timeout=weight_sync_timeout,
             **engine_options))

@@ -35,10 +35,11 @@ _VLLM_OPTIONS = {
     "max_num_seqs": "max_running_requests",
     "max_num_batched_tokens": "chunked_prefill_size",
     "tokenizer": "tokenizer_path",
+    "enable_sleep_mode": "enable_memory_saver",
 }
 # vLLM arguments with no meaning here (Ray placement, vLLM internals): accepted and ignored
 _VLLM_IGNORED = frozenset({"trust_remote_code", "distributed_executor_backend", "worker_cls",
-                           "worker_extension_cls", "enable_sleep_mode", "bundle_indices", "num_gpus",
+                           "worker_extension_cls", "bundle_indices", "num_gpus",
                            "full_determinism", "num_actors", "enable_chunked_prefill", "swap_space",
                            "disable_log_stats", "max_logprobs", "logprobs_mode"})
 
@@ -92,7 +93,8 @@ class EngineActor:
     """
 
     CONTROL_METHODS = ("pause_generation", "resume_generation", "continue_generation",
-                       "get_num_unfinished_requests", "get_weight_version", "get_weight_state", "ready")
+                       "get_num_unfinished_requests", "get_weight_version", "get_weight_state", "ready",
+                       "is_sleeping")
 
     def __init__(self, model: str | None = None, *args: Any, weight_sync_timeout: float | None = None,
                  **kwargs: Any) -> None:
@@ -204,6 +206,24 @@ class EngineActor:
 
     def rollback_weights(self) -> Any:
         return self.engine.rollback_weights()
+
+    # ---- colocation (OpenRLHF's hybrid engine: vllm_enable_sleep) ------------------------------
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """OpenRLHF's call: give the memory back to the trainer (level 1 keeps the weights in host memory)."""
+        return self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return self.engine.wake_up(tags)
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return self.engine.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return self.engine.resume_memory_occupation(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
 
     def destroy_process_group(self, group_name: str = "weight_update_group") -> bool:
         return self.engine.destroy_process_group(group_name)

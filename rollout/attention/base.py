@@ -43,6 +43,10 @@ class AttentionBackend:
         ``init_forward_metadata``."""
         return False
 
+    def reset_state(self) -> None:
+        """Zero whatever state the kernels expect to find at zero between launches (called after the KV
+        cache's memory was released and resumed: new memory holds anything)."""
+
     def graph_state(self, batch_size: int) -> Any:
         """The fixed-address state (index buffers, planned wrappers) of one decode CUDA graph at the padded
         ``batch_size``: made once per size, kept for every capture and replay of that graph."""

@@ -39,6 +39,10 @@ class HybridAttnBackend(AttentionBackend):
     def wants_fresh_kv(self, batch: "ForwardBatch") -> bool:
         return self._backend(batch).wants_fresh_kv(batch)
 
+    def reset_state(self) -> None:
+        self.prefill_backend.reset_state()
+        self.decode_backend.reset_state()
+
     def graph_state(self, batch_size: int) -> Any:
         return self.decode_backend.graph_state(batch_size)
 

@@ -44,6 +44,9 @@ class TritonAttnBackend(AttentionBackend):
         self.split_counters = torch.zeros(spec.max_batch_size * spec.num_kv_heads, dtype=torch.int32,
                                           device=spec.device)
 
+    def reset_state(self) -> None:
+        self.split_counters.zero_()
+
     def init_forward_metadata(self, batch: "ForwardBatch") -> None:
         require_decode(batch, "triton")
         b = len(batch.seq_lens_cpu)

@@ -49,6 +49,9 @@ class XqaAttnBackend(AttentionBackend):
         self.page_table = torch.zeros((spec.max_batch_size, -(-max(spec.max_context_len, 1) // p)),
                                       dtype=torch.int32, device=spec.device)
 
+    def reset_state(self) -> None:
+        self.xqa_workspace[:SEMAPHORE_BYTES].zero_()
+
     def init_forward_metadata(self, batch: "ForwardBatch") -> None:
         """The page lists of an eager decode batch, by torch ops on the device table (no host wait)."""
         require_decode(batch, "xqa")

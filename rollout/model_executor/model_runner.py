@@ -19,6 +19,7 @@ from rollout.layers.sampler import Sampler, SamplerOutput
 from rollout.layers.sampling_info import SamplingBatchInfo, SamplingRow
 from rollout.mem_cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from rollout.model_executor.forward_batch import ForwardBatch, ForwardMode
+from rollout.model_executor.memory_saver import create_memory_saver, unique_tensors
 from rollout.models.loader import build_model
 
 logger = logging.getLogger(__name__)
@@ -105,22 +106,54 @@ class ModelRunner:
         if config.quantization == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
             raise ValueError("quantization='fp8' needs a GPU of compute capability 9.0 or newer (Hopper): its "
                              "row-wise scaled fp8 GEMMs do not run on older GPUs")
-        self.model, self.weight_map = build_model(model_cfg, config.model_path, self.context_len, tp,
-                                                  self.dtype, device, config.load_format, config.seed, fused,
-                                                  config.quantization)
+        self.memory = create_memory_saver(config.enable_memory_saver, device)  # sleep / wake_up
+        self._weight_tensors: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        with self.memory.region("weights"):
+            self.model, self.weight_map = build_model(model_cfg, config.model_path, self.context_len, tp,
+                                                      self.dtype, device, config.load_format, config.seed, fused,
+                                                      config.quantization)
         attn = self.model.model.layers[0].self_attn.attn
         self.num_slots = self._kv_slots(attn.num_kv_heads)
         self.context_len = min(self.context_len, self.num_slots - 1)
-        self.kv_pool = KVPool(self.num_slots, model_cfg.num_layers, attn.num_kv_heads, model_cfg.head_dim,
-                              self.kv_dtype, device, config.page_size)
+        with self.memory.region("kv_cache"):
+            self.kv_pool = KVPool(self.num_slots, model_cfg.num_layers, attn.num_kv_heads, model_cfg.head_dim,
+                                  self.kv_dtype, device, config.page_size)
+            self.req_to_token = ReqToTokenPool(config.max_running_requests + 1, self.context_len + 1, device)
+            # each request row's newest token, written by the sampler on the device: decode reads its inputs
+            # here, so the next step can be launched before the previous one's tokens reach the host
+            self.last_token_ids = torch.zeros(config.max_running_requests + 1, dtype=torch.int64, device=device)
+            self.attn_backend = self._attention_backend(attn)
         self.allocator = SlotAllocator(self.num_slots, config.page_size)
-        self.req_to_token = ReqToTokenPool(config.max_running_requests + 1, self.context_len + 1, device)
-        # each request row's newest token, written by the sampler on the device: decode reads its inputs
-        # here, so the next step can be launched before the previous one's tokens reach the host
-        self.last_token_ids = torch.zeros(config.max_running_requests + 1, dtype=torch.int64, device=device)
-        self.attn_backend = self._attention_backend(attn)
         self.sampler = Sampler(fused=fused)
-        self.graph_runner = self._graph_runner()
+        with self.memory.region("cuda_graph"):
+            self.graph_runner = self._graph_runner()
+
+    def release_memory(self, tag: str, keep_weights: bool) -> None:
+        """Release one memory tag (``memory_saver.TAGS``); the weights' contents are kept with
+        ``keep_weights`` (buffers, which no update restores, always are)."""
+        tensors, keep = self._memory_tensors(tag, keep_weights)
+        self.memory.release(tag, tensors, keep)
+
+    def resume_memory(self, tag: str, kept_weights: bool) -> None:
+        """Map a released tag's memory back (same addresses on CUDA) and restore what ``release_memory`` kept;
+        the attention backend's state that must start at zero is zeroed."""
+        tensors, keep = self._memory_tensors(tag, kept_weights)
+        self.memory.resume(tag, tensors, keep)
+        if tag == "kv_cache":
+            self.attn_backend.reset_state()
+
+    def _memory_tensors(self, tag: str, keep_weights: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(every tensor of ``tag`` that is resized on the CPU, those whose contents come back); listed while
+        every storage is allocated (a released storage has no address to tell tied weights apart by)."""
+        if self._weight_tensors is None:
+            buffers = unique_tensors(list(self.model.buffers()))
+            self._weight_tensors = (unique_tensors(list(self.model.parameters())) + buffers, buffers)
+        if tag == "weights":
+            everything, buffers = self._weight_tensors
+            return everything, everything if keep_weights else buffers
+        if tag == "kv_cache":
+            return self.kv_pool.k_buffers + self.kv_pool.v_buffers, []
+        return [], []
 
     def _kv_slots(self, kv_heads_local: int) -> int:
         per_token = KVPool.bytes_per_token(self.model_cfg.num_layers, kv_heads_local, self.model_cfg.head_dim,

@@ -18,13 +18,14 @@ import torch
 
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
-from rollout.io_struct import (AbortReq, ContinueGenerationReq, ControlReply, ControlReq, ExpireUpdateSession,
-                               FinishReason, GenerateReq, GetLoadReq, GetStepStatsReq, GetWeightStateReq,
-                               PauseGenerationReq, ReadOnlyReq, ShutdownReq, WeightUpdateReq)
+from rollout.io_struct import (AbortReq, ContinueGenerationReq, ControlReply, ControlReq, ExclusiveReq,
+                               ExpireUpdateSession, FinishReason, GenerateReq, GetLoadReq, GetStepStatsReq,
+                               GetWeightStateReq, PauseGenerationReq, ReadOnlyReq, ShutdownReq, WeightUpdateReq)
 from rollout.model_executor.forward_batch import ForwardMode
 from rollout.model_executor.model_runner import ModelRunner, StepInput, StepOutput
 from rollout.scheduler.cache import KVCacheManager
 from rollout.scheduler.decode import DecodeManager
+from rollout.scheduler.memory import MemoryOccupation
 from rollout.scheduler.output import BackgroundTokenizer, OutputManager
 from rollout.scheduler.prefill import PrefillManager
 from rollout.scheduler.req import Req
@@ -64,10 +65,11 @@ class Scheduler:
         self.stats = SchedulerStats(config.log_interval_s)
         self.prefill = PrefillManager(config, self.cache, self.outputs)
         self.decode = DecodeManager(self.cache, self.outputs, self.stats)
-        self.weights = WeightSync(WeightUpdater(self.runner.weight_map, device, keep_copy=config.keep_weight_copy),
-                                  tp, device, self.cache, config.weight_version)
+        updater = WeightUpdater(self.runner.weight_map, device, keep_copy=config.keep_weight_copy)
+        self.memory = MemoryOccupation(self.runner, self.cache, updater, lambda: len(self.running))
+        self.weights = WeightSync(updater, tp, device, self.cache, config.weight_version, self.memory.update_problem)
         self.reply = send_reply or (lambda reply: None)
-        self.update_queue: deque[WeightUpdateReq] = deque()  # weight updates waiting for no request in flight
+        self.update_queue: deque[ExclusiveReq] = deque()  # calls waiting for no request in flight
         self.paused: str | None = None
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -81,7 +83,7 @@ class Scheduler:
         self.control_handlers: dict[type, Callable[[Any], Any]] = {
             GetLoadReq: self.get_load, GetStepStatsReq: lambda req: self.stats.snapshot(req.reset),
             GetWeightStateReq: self.get_weight_state, PauseGenerationReq: self.pause_generation,
-            ContinueGenerationReq: self.continue_generation, **self.weights.handlers()}
+            ContinueGenerationReq: self.continue_generation, **self.weights.handlers(), **self.memory.handlers()}
 
     @property
     def context_len(self) -> int:
@@ -97,13 +99,13 @@ class Scheduler:
             self.add_request(msg)
         elif isinstance(msg, AbortReq):
             self.abort(msg.rid)
-        elif isinstance(msg, WeightUpdateReq):
+        elif isinstance(msg, ExclusiveReq):
             self.update_queue.append(msg)
         elif isinstance(msg, ControlReq):
             self.reply(self.run_control(msg))
         elif isinstance(msg, ExpireUpdateSession):
             self.weights.expire_session()
-            self.fail_waiting_if_inconsistent()
+            self.fail_held_requests()
         elif isinstance(msg, ShutdownReq):
             self.stopped = True
 
@@ -115,8 +117,8 @@ class Scheduler:
                 f"prompt of {len(req.prompt_ids)} tokens does not fit the context of {self.context_len}")))
         elif req.sampling.max_new_tokens == 0 and req.prompt_lp_k is None:  # else prefilled for its prompt logprobs
             self.outputs.finish(req, FinishReason("length"))
-        elif self.weights.updater.state == "inconsistent":
-            self.outputs.finish(req, FinishReason("abort", message=self.weights.refusal(), error_type="RuntimeError"))
+        elif self._refusal() is not None:
+            self.outputs.finish(req, FinishReason("abort", message=self._refusal(), error_type="RuntimeError"))
         else:
             self.waiting.append(req)
 
@@ -155,8 +157,15 @@ class Scheduler:
 
     @property
     def admitting(self) -> bool:
-        """New requests may start: no pending update, not paused, weights complete and consistent."""
-        return not self.update_queue and self.paused is None and self.weights.updater.state == "consistent"
+        """New requests may start: no pending update, not paused, weights complete and consistent, awake."""
+        return (not self.update_queue and self.paused is None and self.weights.updater.state == "consistent"
+                and not self.memory.released)
+
+    def _refusal(self) -> str | None:
+        """Why requests fail now: the engine sleeps, or its weights are inconsistent (None: they may run)."""
+        if self.memory.released:
+            return self.memory.refusal()
+        return self.weights.refusal() if self.weights.updater.state == "inconsistent" else None
 
     @property
     def busy(self) -> bool:
@@ -165,15 +174,14 @@ class Scheduler:
             return True
         if self.paused == "in_place":
             return bool(self.update_queue)
-        inconsistent = self.weights.updater.state == "inconsistent"
         return bool(self.running or self.prefill.chunked or self.update_queue
-                    or (self.waiting and (self.admitting or inconsistent)))
+                    or (self.waiting and (self.admitting or self._refusal() is not None)))
 
     def step(self) -> None:
         """Run due weight updates, then launch one batch (prefill first, else decode), read the results of
         the step before it, and emit outputs. A step stays in flight until the next call."""
         self.run_ready_updates()
-        self.fail_waiting_if_inconsistent()
+        self.fail_held_requests()
         launched = None
         if self.paused != "in_place":
             if (self.waiting and self.admitting) or self.prefill.chunked:
@@ -269,13 +277,12 @@ class Scheduler:
         while self.update_queue:
             self.reply(self.run_control(self.update_queue.popleft()))
 
-    def fail_waiting_if_inconsistent(self) -> None:
-        """While the weights are inconsistent, every held request fails with the reason."""
-        if self.weights.updater.state == "inconsistent":
-            while self.waiting:
-                req = self.waiting.popleft()
-                self.outputs.finish(req, FinishReason("abort", message=self.weights.refusal(),
-                                                      error_type="RuntimeError"))
+    def fail_held_requests(self) -> None:
+        """While the weights are inconsistent or the engine sleeps, every held request fails with the reason."""
+        reason = self._refusal()
+        while reason is not None and self.waiting:
+            req = self.waiting.popleft()
+            self.outputs.finish(req, FinishReason("abort", message=reason, error_type="RuntimeError"))
 
     def pause_generation(self, req: PauseGenerationReq) -> bool:
         """Hold new requests; running ones are aborted, retracted (re-run later) or kept in place."""

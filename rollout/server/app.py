@@ -18,7 +18,7 @@ from fastapi.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rollout.server import control_api, generate_api, openai_api
+from rollout.server import control_api, generate_api, memory_api, openai_api
 from rollout.server.errors import error_response, install_error_handlers
 from rollout.server.metrics import CONTENT_TYPE
 from rollout.server.server_args import ServerArgs
@@ -40,10 +40,10 @@ def create_app(args: ServerArgs, state: ServerState | None = None,
 
     app = FastAPI(title="rollout-engine", lifespan=lifespan)
     app.state.server = state
-    routers = (openai_api.router, generate_api.router, control_api.router)
+    routers = (openai_api.router, generate_api.router, control_api.router, memory_api.router)
     for router in routers:
         app.include_router(router)
-    app.state.control_paths = _paths(control_api.router.routes)
+    app.state.control_paths = _paths(control_api.router.routes) | _paths(memory_api.router.routes)
     _add_basic_routes(app)
     install_error_handlers(app)
     known = _paths(app.routes).union(*(_paths(r.routes) for r in routers))

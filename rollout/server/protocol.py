@@ -178,6 +178,12 @@ class GetWeightsByNameRequest(Body):
     truncate_size: int = Field(default=100, ge=1)
 
 
+class MemoryOccupationRequest(Body):
+    """``tags``: a list of "weights", "kv_cache", "cuda_graph" (null: all)."""
+
+    tags: list[str] | None = None
+
+
 class PauseGenerationRequest(Body):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 

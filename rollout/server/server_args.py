@@ -62,6 +62,7 @@ class ServerArgs:
     page_size: int | None = None
     disable_radix_cache: bool = False
     keep_weight_copy: bool = False
+    enable_memory_saver: bool = False
     log_level: str = "info"
     log_interval: float | None = None
     log_requests: bool = False
@@ -95,6 +96,8 @@ class ServerArgs:
             kwargs["disable_radix_cache"] = True
         if self.keep_weight_copy:
             kwargs["keep_weight_copy"] = True
+        if self.enable_memory_saver:
+            kwargs["enable_memory_saver"] = True
         kwargs["log_level"] = "INFO" if self.log_level in ("debug", "info") else self.log_level.upper()
         return kwargs
 
@@ -148,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV slots per page (default 1; decode backend xqa needs 16, 32, 64 or 128)")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--keep-weight-copy", action="store_true", help="enable /rollback_weights")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="enable /release_memory_occupation, /sleep and their resume calls (colocated training)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-interval", type=float, default=None, help="seconds between scheduler log lines")
     p.add_argument("--log-requests", action="store_true", help="log every HTTP request (uvicorn access log)")

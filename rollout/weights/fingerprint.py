@@ -60,7 +60,8 @@ def _digest_numpy(part: torch.Tensor, row0: int, row_stride: int, offset: int) -
         b = _bits32(part).numpy().astype(np.uint32)
     else:
         as_int = {1: np.uint8, 2: np.uint16, 4: np.uint32}[size]
-        b = part.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[size]).numpy().view(as_int)
+        # a copy: a numpy view would pin the size of the weights' storage (the CPU memory saver resizes it)
+        b = part.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[size]).clone().numpy().view(as_int)
         b = b.astype(np.uint32, copy=size != 4)
     starts = (np.arange(row0, row0 + rows, dtype=np.uint64) * np.uint64(row_stride) + np.uint64(offset))
     idx = (starts.astype(np.uint32)[:, None] + np.arange(cols, dtype=np.uint32)[None, :])

@@ -47,8 +47,10 @@ class WeightSync:
     ``cache`` is the rank's ``KVCacheManager``: a completed update calls its ``invalidate()``."""
 
     def __init__(self, updater: WeightUpdater, tp: TPGroup, device: torch.device, cache: Any,
-                 weight_version: str) -> None:
+                 weight_version: str, blocked: Callable[[], str | None] = lambda: None) -> None:
+        """``blocked()``: why updates cannot load now (the weights' memory is released), else None."""
         self.updater = updater
+        self.blocked = blocked
         self.groups = WeightGroups()
         self.tp = tp
         self.device = device
@@ -99,7 +101,7 @@ class WeightSync:
             raise ValueError(f"unsupported load_format {load_format!r} (use None or 'flattened_bucket')")
         specs = parse_specs(names, dtypes, shapes)
         group_name, group = self.groups.get(group_name)
-        problems = self.updater.problems(specs)
+        problems = self._problems(specs)
         t_recv = time.perf_counter()
         try:
             tensors = self.updater.receive(specs, group, load_format == "flattened_bucket")
@@ -115,7 +117,7 @@ class WeightSync:
 
         start = time.perf_counter()
         specs = parse_specs([s[0] for s in req.specs], [s[1] for s in req.specs], [s[2] for s in req.specs])
-        problems = self.updater.problems(specs)
+        problems = self._problems(specs)
         tensors = open_shared(specs, req.payload)
         self.timing = {}
         return self._apply(tensors, problems, start, req.flush_cache, req.weight_version, req.check_finite, None)
@@ -128,8 +130,8 @@ class WeightSync:
         shapes = read_safetensors_shapes(req.model_path)
         wm = self.updater.weight_map
         names = [n for n in shapes if not wm.is_ignored(n)]
-        problems = self.updater.problems(parse_specs(names, [shapes[n][0] for n in names],
-                                                     [list(shapes[n][1]) for n in names]))
+        problems = self._problems(parse_specs(names, [shapes[n][0] for n in names],
+                                              [list(shapes[n][1]) for n in names]))
         missing = sorted(set(wm.shapes) - {wm.canonical(n) for n in names})
         if missing:
             problems.append(f"checkpoint {req.model_path!r} lacks {len(missing)} parameters, e.g. {missing[:3]}")
@@ -148,6 +150,8 @@ class WeightSync:
         return self._finish(start, len(names), nbytes, self.updater.end_session(explicit=True), req.weight_version)
 
     def rollback_weights(self, req: Any = None) -> dict[str, Any]:
+        if self.blocked() is not None:
+            raise ValueError(self.blocked())
         start = time.perf_counter()
         self.updater.rollback()
         self.weight_version = self.version_before_session or self.weight_version
@@ -224,6 +228,11 @@ class WeightSync:
         return combine_fingerprint(parts, self.updater.weight_map.fingerprint_shapes)
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def _problems(self, specs: list[Any]) -> list[str]:
+        """Why an update of ``specs`` cannot load (checked before anything is loaded; empty when it can)."""
+        blocked = self.blocked()
+        return ([blocked] if blocked is not None else []) + self.updater.problems(specs)
 
     def _apply(self, tensors: list[tuple[str, torch.Tensor]], problems: list[str], start: float, flush_cache: bool,
                weight_version: str | None, check_finite: bool, group_name: str | None) -> dict[str, Any]:

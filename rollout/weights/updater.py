@@ -136,11 +136,14 @@ class WeightUpdater:
             return True
         return False
 
-    def mark_inconsistent(self, reason: str) -> None:
+    def mark_inconsistent(self, reason: str, mixed: bool = True) -> None:
+        """Refuse generation until a complete update; ``mixed``: some parameters of an update were loaded
+        (said in the reason)."""
         loaded = len(self.session)
-        self.inconsistent = (f"{reason}; {loaded} of {len(self.weight_map.shapes)} parameters had been updated, so "
-                             "the weights are a mix of two versions. Send a complete update (every parameter), "
-                             "reload from disk, or roll back")
+        mix = (f"; {loaded} of {len(self.weight_map.shapes)} parameters had been updated, so the weights are a "
+               "mix of two versions") if mixed else ""
+        self.inconsistent = (f"{reason}{mix}. Send a complete update (every parameter), reload from disk, or "
+                             "roll back")
         self.session_deadline = None
 
     def rollback(self) -> None:

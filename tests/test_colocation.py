@@ -1,0 +1,164 @@
+"""Colocated training on CPU: sleep / wake_up (vLLM) and release / resume_memory_occupation (SGLang) release
+the KV cache and the weights for real (the scheduler's resident memory drops), come back exact, and every
+misuse is a clear error that loses nothing. The same calls over HTTP."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+
+from rollout import Engine, SamplingParams
+from rollout.client import EngineClient
+from test_server_launch import ServerProcess
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 250, 17, 9]]
+
+
+@pytest.fixture(scope="module")
+def sleepy(path):
+    with Engine(path, dtype="float32", device="cpu", enable_memory_saver=True, cpu_kv_cache_gb=0.25) as e:
+        yield e
+
+
+def _greedy(engine) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in engine.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY,
+                                                            use_tqdm=False)]
+
+
+def _changed_model(path: str, scale: float):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    return model
+
+
+def test_sleep_level_1_releases_memory_and_wakes_up_exact(sleepy, path, hf_reference):
+    hf = hf_reference(path)
+    assert _greedy(sleepy) == [hf.greedy(p, 8) for p in PROMPTS]
+    fp = sleepy.weights_fingerprint()
+    sched = psutil.Process(sleepy._procs.procs[0].pid)
+    info = sleepy.get_server_info()
+    weight_bytes = sum(p.numel() * 4 for p in hf.model.parameters())
+    kv_bytes = info["kv_total"] * 2 * 2 * 2 * 16 * 4  # slots x (k, v) x layers x kv heads x head dim x fp32
+    before = sched.memory_info().rss
+    state = sleepy.sleep(level=1)
+    dropped = before - sched.memory_info().rss
+    assert state == {"sleeping": True, "released": ["weights", "kv_cache", "cuda_graph"], "weights_kept": True}
+    assert sleepy.is_sleeping()
+    assert dropped >= 0.8 * (weight_bytes + kv_bytes), (dropped, weight_bytes, kv_bytes)
+    with pytest.raises(RuntimeError, match="asleep.*wake_up"):
+        sleepy.generate(prompt_token_ids=PROMPTS[:1], use_tqdm=False)
+    with pytest.raises(ValueError, match="already released"):
+        sleepy.sleep(level=1)
+    with pytest.raises(ValueError, match="weights' memory is released"):
+        sleepy.update_weights_from_tensor(list(_changed_model(path, 1.1).named_parameters()))
+    assert sleepy.wake_up()["sleeping"] is False and not sleepy.is_sleeping()
+    with pytest.raises(ValueError, match="awake"):
+        sleepy.wake_up()
+    assert sleepy.weights_fingerprint() == fp, "the refused push changed nothing"
+    assert _greedy(sleepy) == [hf.greedy(p, 8) for p in PROMPTS]
+    assert sleepy.get_server_info()["kv_used"] == 0
+
+
+def test_sleep_level_2_then_vllm_order_wake_weights_push_wake_kv(sleepy, path, hf_reference):
+    from reference import hf_greedy
+
+    import weight_sync
+
+    model = _changed_model(path, 0.9)
+    sleepy.sleep(level=2)
+    assert sleepy.wake_up(tags=["weights"])["released"] == ["kv_cache", "cuda_graph"]
+    with pytest.raises(RuntimeError, match="asleep"):
+        sleepy.generate(prompt_token_ids=PROMPTS[:1], use_tqdm=False)
+    result = sleepy.update_weights_from_tensor(list(model.named_parameters()))
+    assert result["complete"]
+    assert sleepy.wake_up(tags=["kv_cache"])["sleeping"] is False  # the graphs' tag comes back with it
+    assert sleepy.weights_fingerprint() == weight_sync.fingerprint(model)
+    assert _greedy(sleepy) == [hf_greedy(model, p, 8) for p in PROMPTS]
+    sleepy.update_weights_from_disk(path)  # back to the checkpoint for the next tests
+    hf = hf_reference(path)
+    assert _greedy(sleepy) == [hf.greedy(p, 8) for p in PROMPTS]
+
+
+def test_released_weights_stay_refused_until_a_complete_push(sleepy, path, hf_reference):
+    sleepy.release_memory_occupation(["weights"])
+    sleepy.resume_memory_occupation(["weights"])
+    state = sleepy.get_weight_state()
+    assert state["state"] == "inconsistent" and "released without a copy" in state["reason"]
+    with pytest.raises(RuntimeError, match="released without a copy"):
+        sleepy.generate(prompt_token_ids=PROMPTS[:1], use_tqdm=False)
+    model = _changed_model(path, 1.0)
+    named = list(model.named_parameters())
+    sleepy.update_weights_from_tensor(named[:3], flush_cache=True)  # a partial push does not make them whole
+    assert sleepy.get_weight_state()["state"] == "inconsistent"
+    sleepy.update_weights_from_tensor(named)
+    assert sleepy.get_weight_state()["state"] == "consistent"
+    hf = hf_reference(path)
+    assert _greedy(sleepy) == [hf.greedy(p, 8) for p in PROMPTS]
+
+
+def test_kv_cache_alone_and_bad_tags(sleepy, path, hf_reference):
+    sleepy.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+    assert sleepy.get_server_info()["cached_tokens"] > 0
+    assert sleepy.release_memory_occupation(["kv_cache"])["released"] == ["kv_cache"]
+    assert sleepy.get_server_info()["cached_tokens"] == 0, "the prefix cache goes with the KV cache"
+    for bad, words in (([], "non-empty list"), (["vram"], "unknown memory tags"), ("weights", "non-empty list")):
+        with pytest.raises(ValueError, match=words):
+            sleepy.release_memory_occupation(bad)
+    with pytest.raises(ValueError, match="not released"):
+        sleepy.resume_memory_occupation(["weights"])
+    with pytest.raises(ValueError, match="sleep level"):
+        sleepy.sleep(level=3)
+    sleepy.resume_memory_occupation(["kv_cache"])
+    hf = hf_reference(path)
+    assert _greedy(sleepy) == [hf.greedy(p, 8) for p in PROMPTS]
+
+
+def test_a_release_waits_for_running_requests_and_refuses_paused_ones(sleepy):
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    stream = sleepy.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=long, stream=True)
+    next(stream)
+    state = sleepy.sleep(level=1)  # waits for the running request, which finishes normally
+    assert state["sleeping"] and list(stream)[-1].outputs[0].finish_reason == "length"
+    sleepy.wake_up()
+    stream = sleepy.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=long, stream=True)
+    next(stream)
+    sleepy.pause_generation(mode="in_place")
+    with pytest.raises(ValueError, match="paused in place"):
+        sleepy.sleep(level=1)
+    assert not sleepy.is_sleeping()
+    sleepy.continue_generation()
+    assert list(stream)[-1].outputs[0].finish_reason == "length"
+
+
+def test_without_the_memory_saver_the_calls_say_how_to_enable_it(engine):
+    with pytest.raises(ValueError, match="enable_memory_saver=True"):
+        engine.sleep()
+    assert not engine.is_sleeping()
+
+
+def test_sleep_and_wake_up_over_http(path, hf_reference):
+    srv = ServerProcess(path, "--enable-memory-saver")
+    try:
+        srv.wait_ready()
+        client = EngineClient(srv.url)
+        assert client.sleep(level=1)["released"] == ["weights", "kv_cache", "cuda_graph"] and client.is_sleeping()
+        with pytest.raises(RuntimeError, match="asleep"):
+            client.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
+        with pytest.raises(ValueError, match="already released"):
+            client.release_memory_occupation(["kv_cache"])
+        assert client.wake_up(["weights"])["released"] == ["kv_cache", "cuda_graph"]
+        assert client.resume_memory_occupation()["sleeping"] is False and not client.is_sleeping()
+        with pytest.raises(ValueError, match="awake"):
+            client.wake_up()
+        out = client.generate(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 8, "temperature": 0,
+                                                                        "ignore_eos": True})
+        assert out["output_ids"] == hf_reference(path).greedy([5, 6, 7, 8], 8)
+        client.close()
+    finally:
+        assert srv.stop()
