@@ -7,6 +7,7 @@ The figure is sync time / raw time. Weights are random with the real shapes of `
 
     python -m weight_sync.bench --preset llama-3.1-8b --dtype bfloat16            # GPU: engine cuda:0, trainer cuda:1
     python -m weight_sync.bench --preset tiny --device cpu --dtype float32         # CPU, gloo
+    python -m weight_sync.bench --preset llama-3.1-8b --colocated tensor          # same GPU, CUDA IPC
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-per-tensor", action="store_true")
     p.add_argument("--no-verify", action="store_true", help="skip the fingerprint comparison after the sync")
     p.add_argument("--json", default=None)
+    p.add_argument("--colocated", default=None, choices=("tensor", "fsdp2"),
+                   help="same-GPU push (update_weights_from_tensor) instead of the broadcast; see colocated_push")
     return p.parse_args(argv)
 
 
@@ -131,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         (f"cuda:{args.tp_size}" if torch.cuda.device_count() > args.tp_size else "cuda:0")
         if device.startswith("cuda") else "cpu")
     model_path = args.model or _preset(args.preset)
+    if args.colocated:
+        return _colocated(args, model_path, device)
     ctx = mp.get_context("spawn")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -156,6 +161,19 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({k: v for k, v in report.items() if k != "text"} | {"raw": r, "args": vars(args)}, f, indent=2)
     return 0 if r.get("fingerprint_equal", True) else 1
+
+
+def _colocated(args: argparse.Namespace, model_path: str, device: str) -> int:
+    from benchmarks import colocated_push
+
+    print(f"weight_sync.bench: {args.model or args.preset}, {args.dtype}, colocated ({args.colocated}) on {device}",
+          flush=True)
+    r = colocated_push.run(args, model_path, device)
+    print(colocated_push.report(r, args.colocated))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"raw": r, "args": vars(args)}, f, indent=2, default=str)
+    return 0 if r["fingerprint_equal"] else 1
 
 
 def _preset(name: str) -> str:

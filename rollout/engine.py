@@ -51,6 +51,7 @@ class Engine:
         self.tokenizer_manager = TokenizerManager(self.config, self._procs.paths, self.model_config,
                                                   self.tokenizer, self._procs.context_len, self._procs.alive)
         self._closed = False
+        self._ipc_handles: Any = None  # IpcHandleCache of the last update_weights_from_tensor
         self._finalizer = weakref.finalize(self, _shutdown, self.tokenizer_manager, self._procs)
         atexit.register(self._finalizer)
 
@@ -216,10 +217,11 @@ class Engine:
                                    flush_cache: bool = True, check_finite: bool = False,
                                    async_op: bool = False) -> Any:
         """Load tensors from a colocated trainer: CUDA IPC handles on GPU, one shared-memory buffer on CPU."""
-        from rollout.weights.shared_tensors import share
+        from rollout.weights.shared_tensors import IpcHandleCache, share
 
         named = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
-        specs, payload, cleanup = share(named)
+        self._ipc_handles = self._ipc_handles or IpcHandleCache()
+        specs, payload, cleanup = share(named, self._ipc_handles)
         fut = self._call(UpdateWeightsFromTensorReq(specs=specs, payload=payload, flush_cache=flush_cache,
                                                     weight_version=weight_version, check_finite=check_finite), True)
         fut.add_done_callback(lambda _: cleanup())

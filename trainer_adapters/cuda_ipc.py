@@ -75,3 +75,45 @@ def push_cuda_ipc(model: Any, engines: Sequence[Any] | None, *, dtype: torch.dty
     if rank != src_rank:
         return None
     return {"tensors": len(plan), "bytes": nbytes, "seconds": time.perf_counter() - start}
+
+
+def push_colocated(model: Any, engines: Sequence[Any] | None, *, bucket_bytes: int | None = None,
+                   dtype: torch.dtype | None = None, backend: str = "auto", weight_version: str | None = None,
+                   timeout: float | None = None) -> dict[str, Any] | None:
+    """Push every parameter into engines on this rank's GPU with ``update_weights_from_tensor`` (SGLang's
+    and verl's colocated path): one call per bucket of gathered full tensors, shared by CUDA IPC handle
+    (through one shared-memory buffer on CPU).
+
+    Call on every trainer rank (the gathers of a sharded model are collective), each with the engines
+    colocated with it (none on ranks without one). ``bucket_bytes=None`` sends the whole model in one
+    call when its parameters are already full (a plain module: nothing is gathered or copied, the
+    engines read the trainer's own tensors); sharded models (FSDP2, ZeRO-3) are gathered bucket by
+    bucket (default 1 GiB), one gathered bucket alive at a time. The last call completes the update
+    (cache flush, version bump). Returns {tensors, buckets, bytes, seconds, results} where engines were
+    given, None elsewhere.
+    """
+    import time
+
+    from trainer_adapters.handles import as_engine
+    from trainer_adapters.senders import param_source
+    from weight_sync.sender import DEFAULT_BUCKET_BYTES
+
+    source = param_source(model, backend)
+    handles = [as_engine(e) for e in engines or []]
+    whole = bucket_bytes is None and source.kind == "module"
+    plan = [list(range(len(source.params)))] if whole else source.plan(
+        "bucket", DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes, dtype)
+    start, nbytes, results = time.perf_counter(), 0, []
+    for k, bucket in enumerate(source.gathered(plan)):
+        if dtype is not None:
+            bucket = [(n, t.to(dtype)) for n, t in bucket]
+        last = k == len(plan) - 1
+        futures = [e.update_weights_from_tensor(bucket, flush_cache=last, async_op=True,
+                                                weight_version=weight_version if last else None) for e in handles]
+        results.append([f.result(timeout) for f in futures])
+        nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        del bucket
+    if not handles:
+        return None
+    return {"tensors": len(source.params), "buckets": len(plan), "bytes": nbytes,
+            "seconds": time.perf_counter() - start, "results": results}

@@ -107,9 +107,8 @@ class WeightUpdater:
         """Copy each tensor's shard into place and add it to the open session."""
         if self.keep_copy and not self.session and self.inconsistent is None:
             self.backup = {n: p.detach().to("cpu", copy=True) for n, p in self.weight_map.params.items()}
-        for name, tensor in tensors:
-            self.weight_map.load(name, tensor)
-            self.session.add(self.weight_map.canonical(name))
+        self.weight_map.load_all(tensors)
+        self.session.update(self.weight_map.canonical(name) for name, _ in tensors)
 
     def touch_deadline(self, group_name: str | None, timeout_s: float) -> None:
         """An update call just loaded tensors: an open session now expires ``timeout_s`` from now."""

@@ -65,6 +65,7 @@ class HFWeightMap:
         self.params = dict(model.named_parameters())
         self.cfg = cfg
         self.shapes = expected_hf_shapes(cfg)
+        self._targets: tuple[tuple[str, ...], list[Any]] | None = None
 
     @staticmethod
     def is_ignored(hf_name: str) -> bool:
@@ -99,6 +100,38 @@ class HFWeightMap:
         self.check(hf_name, tuple(tensor.shape))
         param, shard_id = self.resolve(hf_name)
         param.weight_loader(param, tensor, shard_id)
+
+    def load_all(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """``load`` each tensor, the plain copies in one ``torch._foreach_copy_`` (one launch for many
+        tensors on a GPU; a trainer pushes hundreds of them)."""
+        dsts, srcs = [], []
+        for (name, tensor), target in zip(tensors, self.copy_targets(tuple(n for n, _ in tensors))):
+            if target is None:
+                self.load(name, tensor)
+                continue
+            view, spec = target
+            part = spec.take(tensor)
+            if part.shape != view.shape:
+                raise ValueError(f"wrong shape for {name!r}: this rank expects {tuple(view.shape)} of it, "
+                                 f"got {tuple(part.shape)}")
+            dsts.append(view)
+            srcs.append(part)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+
+    def copy_targets(self, names: tuple[str, ...]) -> list[Any]:
+        """For each HF name, (this rank's view, its ShardSpec) when a plain copy loads it, None when its
+        loader does more (fp8 quantization). Cached for the last list of names (a trainer sends the same
+        ones every step; the views stay valid because parameters are never rebound)."""
+        from rollout.layers.linear import load_shard
+
+        if self._targets is None or self._targets[0] != names:
+            targets = []
+            for name in names:
+                param, shard_id = self.resolve(name)
+                targets.append(param.shard_view(param, shard_id) if param.weight_loader is load_shard else None)
+            self._targets = (names, targets)
+        return self._targets[1]
 
     def local_view(self, hf_name: str):
         """(this rank's view of ``hf_name``, its ShardSpec in the full tensor)."""

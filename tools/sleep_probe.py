@@ -1,0 +1,64 @@
+"""sleep / wake_up on a GPU, measured from outside the engine: the engine processes' GPU memory (nvidia-smi)
+before and after ``sleep(1)`` and ``sleep(2)``, how long ``wake_up()`` takes after each, and whether greedy
+outputs after ``sleep(1)`` → ``wake_up()`` equal those before, token for token.
+
+    python tools/sleep_probe.py --preset llama-3.1-8b [--mem-fraction-static 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def gpu_mib(pids: list[int]) -> int:
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    used = {int(pid): int(mib) for pid, mib in (line.split(",") for line in out.strip().splitlines() if line)}
+    return sum(used.get(pid, 0) for pid in pids)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="llama-3.1-8b")
+    p.add_argument("--mem-fraction-static", type=float, default=0.5)
+    p.add_argument("--prompts", type=int, default=32)
+    args = p.parse_args()
+    from benchmarks.presets import write_preset
+    from rollout import Engine, SamplingParams
+
+    path = write_preset(args.preset)
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = [[100 + 37 * i + j for j in range(16 + i)] for i in range(args.prompts)]
+    with Engine(path, dtype="bfloat16", device="cuda", enable_memory_saver=True, skip_tokenizer_init=True,
+                mem_fraction_static=args.mem_fraction_static) as engine:
+        pids = [proc.pid for proc in engine._procs.procs]
+        run = lambda: [o.outputs[0].token_ids for o in engine.generate(  # noqa: E731
+            prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)]
+        before = run()
+        print(f"{args.preset}: engine awake {gpu_mib(pids) / 1024:.2f} GiB", flush=True)
+        for level in (1, 1, 2):
+            t = time.perf_counter()
+            engine.sleep(level=level)
+            slept = time.perf_counter() - t
+            asleep = gpu_mib(pids) / 1024
+            t = time.perf_counter()
+            engine.wake_up()
+            woke = time.perf_counter() - t
+            line = (f"sleep(level={level}): {slept:.3f} s, engine then {asleep:.2f} GiB; wake_up(): {woke:.3f} s, "
+                    f"engine {gpu_mib(pids) / 1024:.2f} GiB")
+            if level == 1:
+                after = run()
+                same = sum(a == b for a, b in zip(after, before))
+                line += f"; greedy after == before: {same}/{len(before)} prompts"
+            print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
