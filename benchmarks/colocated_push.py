@@ -38,7 +38,8 @@ def report(r: dict[str, Any], mode: str) -> str:
     gb = r["bytes"] / 1e9
     copy, push = min(r["copy_s"]), min(r["push_s"][1:] or r["push_s"])
     last = r["results"][-1]
-    parts = ", ".join(f"{k[:-2]} {last[k] * 1e3:.1f} ms" for k in ("load_s", "flush_s") if k in last)
+    parts = ", ".join(f"{k[:-2]} {last[k] * 1e3:.1f} ms" for k in ("validate_s", "open_s", "load_s", "flush_s")
+                      if k in last) + f"; all {last['seconds'] * 1e3:.1f} ms of the push's {r['push_s'][-1] * 1e3:.1f}"
     return "\n".join([
         f"  colocated push ({mode}): {r['tensors']} tensors, {gb:.3f} GB on one GPU",
         f"  device copy of the same bytes (ceiling)    {copy * 1e3:8.2f} ms  {gb / copy:8.1f} GB/s",

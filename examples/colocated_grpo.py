@@ -51,15 +51,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class MemoryProbe:
-    """Peak memory of the trainer (this process) and of the engine's processes (its schedulers)."""
+    """Peak memory of the trainer (this process) and of the engine's processes. GPU: the engine's processes as
+    nvidia-smi lists them, or, where it cannot see them (a container's own PIDs), the device's used memory
+    less what was used before the engine started and less the trainer's reserved memory."""
 
-    def __init__(self, device: str, engine) -> None:
+    def __init__(self, device: str, engine, baseline_used: int) -> None:
         import psutil
 
         self.cuda = device.startswith("cuda")
         self.engine_pids = [p.pid for p in engine._procs.procs]
         self.procs = [psutil.Process(pid) for pid in self.engine_pids]
+        self.baseline_used = baseline_used
         self.trainer_peak = self.engine_peak = 0
+
+    @staticmethod
+    def device_used(device: str) -> int:
+        if not device.startswith("cuda"):
+            return 0
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return total - free
 
     def sample(self) -> None:
         self.trainer_peak = max(self.trainer_peak, self.trainer_now())
@@ -80,10 +90,12 @@ class MemoryProbe:
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True).stdout
         used = {int(pid): int(mib) << 20 for pid, mib in (line.split(",") for line in out.strip().splitlines() if line)}
-        return sum(used.get(pid, 0) for pid in self.engine_pids)
+        if any(pid in used for pid in self.engine_pids):
+            return sum(used.get(pid, 0) for pid in self.engine_pids)
+        return self.device_used("cuda") - self.baseline_used - torch.cuda.memory_reserved()
 
 
-def rollout(engine, args, rng, tok):
+def rollout(engine, args, rng):
     """(samples, rewards, outputs) of one rollout batch."""
     from rollout import SamplingParams
 
@@ -106,10 +118,14 @@ def rollout(engine, args, rng, tok):
 
 
 def load_trainer(path: str, args):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device)
+    if args.preset is None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device)
+    else:  # random weights with the preset's shapes, built on the device
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
     model.config.use_cache = False
     if args.preset is not None:  # timing run: train a few layers (their optimizer state fits beside the engine)
         for p in model.parameters():
@@ -134,15 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     options = {"mem_fraction_static": args.mem_fraction_static} if cuda else {}
     dtype = "bfloat16" if cuda else "float32"
+    if args.preset is not None:
+        options.update(load_format="dummy", skip_tokenizer_init=True)  # random weights; the first push replaces them
+    baseline = MemoryProbe.device_used(args.device)
     with Engine(path, dtype=dtype, device=args.device, seed=args.seed, enable_memory_saver=True, **options) as engine:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path) if args.preset is None else None
         model, optimizer = load_trainer(path, args)
-        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        memory = MemoryProbe(args.device, engine)
+        pad_id = 0 if tok is None else tok.eos_token_id if tok.pad_token_id is None else tok.pad_token_id
+        memory = MemoryProbe(args.device, engine, baseline)
         history = []
         for step in range(args.steps):
             row, t = {"step": step + 1}, time.perf_counter()
-            samples, rewards, outs = rollout(engine, args, rng, tok)
+            samples, rewards, outs = rollout(engine, args, rng)
             memory.sample()
             row["rollout_s"], t = time.perf_counter() - t, time.perf_counter()
             engine.sleep(level=2)

@@ -201,3 +201,64 @@ def test_engine_actor_direct_calls_openrlhf_loop_and_buckets_match_transformers(
     assert proc.returncode == 0, out[-3000:]
     assert "[PASS] A per-tensor (OpenRLHF loop): fingerprints equal True, greedy identical 6/6" in out
     assert "[PASS] A bucketed (broadcast_to_engines): fingerprints equal True, greedy identical 6/6" in out
+
+
+# ---- colocated pushes and the FSDP2 bucket gather -----------------------------------------------------
+
+def test_push_colocated_whole_model_and_buckets(hf_model, engine):
+    """push_colocated into an in-process engine: the whole model in one call, then in buckets; the engine's
+    weights equal the trainer's after each, and only the last call of a push completes the update."""
+    import copy
+
+    from trainer_adapters import push_colocated
+
+    hf_model = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.mul_(1.01)
+    whole = push_colocated(Wrapper(hf_model), [engine], weight_version="whole")
+    assert (whole["buckets"], whole["tensors"]) == (1, len(list(hf_model.parameters())))
+    assert engine.weights_fingerprint() == weight_sync.fingerprint(list(hf_model.named_parameters()))
+    assert engine.get_weight_version() == "whole"
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.mul_(0.99)
+    bucketed = push_colocated(hf_model, [engine], bucket_bytes=64 << 10, weight_version="bucketed")
+    assert bucketed["buckets"] > 1 and bucketed["bytes"] == whole["bytes"]
+    assert [r[0]["complete"] for r in bucketed["results"]] == [False] * (bucketed["buckets"] - 1) + [True]
+    assert engine.weights_fingerprint() == weight_sync.fingerprint(list(hf_model.named_parameters()))
+    assert engine.get_weight_version() == "bucketed"
+    assert push_colocated(hf_model, [], bucket_bytes=64 << 10) is None  # a rank without engines only gathers
+
+
+def _gather_rows_rank(rank: int, port: int, result_path: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from trainer_adapters.fsdp2 import gather_rows
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        gen = torch.Generator().manual_seed(0)
+        fulls = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen).to(torch.bfloat16),
+                 torch.randn(2, 4, generator=gen).to(torch.float16), torch.randn(1, 6, generator=gen)]
+        gathered = gather_rows([distribute_tensor(t, mesh, [Shard(0)]) for t in fulls])
+        if rank == 0:
+            torch.save({"equal": [torch.equal(a, b) for a, b in zip(gathered, fulls)],
+                        "dtypes": [str(g.dtype) for g in gathered]}, result_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_bucket_gather_matches_full_tensors(tmp_path):
+    """gather_rows over two gloo ranks: uneven row splits (a rank with no rows), mixed dtypes, one collective."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "gathered.pt"
+    mp.start_processes(_gather_rows_rank, args=(free_port(), str(out)), nprocs=2, start_method="spawn")
+    result = torch.load(out)
+    assert result["equal"] == [True] * 4
+    assert result["dtypes"] == ["torch.float32", "torch.bfloat16", "torch.float16", "torch.float32"]

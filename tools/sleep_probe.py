@@ -16,11 +16,23 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def gpu_mib(pids: list[int]) -> int:
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+def _smi(query: str) -> list[list[str]]:
+    out = subprocess.run(["nvidia-smi", f"--query-{query}", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, check=True).stdout
-    used = {int(pid): int(mib) for pid, mib in (line.split(",") for line in out.strip().splitlines() if line)}
-    return sum(used.get(pid, 0) for pid in pids)
+    return [[f.strip() for f in line.split(",")] for line in out.strip().splitlines() if line]
+
+
+def device_used_mib() -> int:
+    return int(_smi("gpu=memory.used")[0][0])
+
+
+def gpu_mib(pids: list[int], baseline_mib: int) -> int:
+    """The engine processes' GPU memory as nvidia-smi lists it; where it cannot see them (a container's own
+    PID namespace), GPU 0's used memory less ``baseline_mib`` (this probe itself never touches the GPU)."""
+    used = {int(pid): int(mib) for pid, mib in _smi("compute-apps=pid,used_memory")}
+    if any(pid in used for pid in pids):
+        return sum(used.get(pid, 0) for pid in pids)
+    return device_used_mib() - baseline_mib
 
 
 def main() -> int:
@@ -35,23 +47,24 @@ def main() -> int:
     path = write_preset(args.preset)
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     prompts = [[100 + 37 * i + j for j in range(16 + i)] for i in range(args.prompts)]
+    baseline = device_used_mib()
     with Engine(path, dtype="bfloat16", device="cuda", enable_memory_saver=True, skip_tokenizer_init=True,
                 mem_fraction_static=args.mem_fraction_static) as engine:
         pids = [proc.pid for proc in engine._procs.procs]
         run = lambda: [o.outputs[0].token_ids for o in engine.generate(  # noqa: E731
             prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)]
         before = run()
-        print(f"{args.preset}: engine awake {gpu_mib(pids) / 1024:.2f} GiB", flush=True)
+        print(f"{args.preset}: engine awake {gpu_mib(pids, baseline) / 1024:.2f} GiB", flush=True)
         for level in (1, 1, 2):
             t = time.perf_counter()
             engine.sleep(level=level)
             slept = time.perf_counter() - t
-            asleep = gpu_mib(pids) / 1024
+            asleep = gpu_mib(pids, baseline) / 1024
             t = time.perf_counter()
             engine.wake_up()
             woke = time.perf_counter() - t
             line = (f"sleep(level={level}): {slept:.3f} s, engine then {asleep:.2f} GiB; wake_up(): {woke:.3f} s, "
-                    f"engine {gpu_mib(pids) / 1024:.2f} GiB")
+                    f"engine {gpu_mib(pids, baseline) / 1024:.2f} GiB")
             if level == 1:
                 after = run()
                 same = sum(a == b for a, b in zip(after, before))

@@ -1,15 +1,18 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters are DTensors sharded over the trainer ranks.
 
-``DTensor.full_tensor()`` all-gathers one parameter on every rank, so every trainer rank runs the same
-gathers in the same order (``broadcast_to_engines`` arranges that); only the sending rank broadcasts.
-FSDP2 keeps the module's own parameter names, so no renaming beyond the usual wrappers is needed.
+A bucket is gathered with one ``all_gather_into_tensor`` of its row shards' bytes (FSDP2's own
+copy-in / all-gather / copy-out, without its per-module grouping); parameters sharded any other way
+fall back to ``DTensor.full_tensor()``, one collective each. Every trainer rank runs the same gathers in
+the same order (``broadcast_to_engines`` arranges that); only the sending rank sends. FSDP2 keeps the
+module's own parameter names, so no renaming beyond the usual wrappers is needed.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 from trainer_adapters.gather import ParamSource
 
@@ -52,3 +55,48 @@ class FSDP2Source(ParamSource):
     def full_tensor(self, p: torch.Tensor) -> torch.Tensor:
         t = p.detach()
         return t.full_tensor() if is_dtensor(t) else t
+
+    def gathered(self, plan: list[list[int]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        for bucket in plan:
+            params = [self.params[i][1].detach() for i in bucket]
+            rows = [p for p in params if _row_sharded(p, params[0])]
+            full = dict(zip(map(id, rows), gather_rows(rows))) if rows else {}
+            yield [(self.params[i][0], full[id(p)] if id(p) in full else self.full_tensor(p))
+                   for i, p in zip(bucket, params)]
+
+
+def _row_sharded(p: Any, first: Any) -> bool:
+    """A DTensor sharded on dim 0 over a 1-D mesh (FSDP2's layout), on the same mesh as ``first``."""
+    from torch.distributed.tensor import Shard
+
+    return (is_dtensor(p) and is_dtensor(first) and p.device_mesh == first.device_mesh and p.dim() > 0
+            and p.shape[0] > 0 and tuple(p.placements) == (Shard(0),))
+
+
+def gather_rows(params: list[Any]) -> list[torch.Tensor]:
+    """Full tensors of dim-0-sharded DTensors of one 1-D mesh, with one in-place ``all_gather_into_tensor``
+    of their bytes. Rank r holds rows [r*c, (r+1)*c) of each (c = ceil(rows / ranks), ``torch.chunk``'s
+    split), so each rank's part is c rows long, padded (and 16-byte aligned). On one rank the results are views of the buffer;
+    otherwise each is copied out of the rank-major buffer."""
+    mesh = params[0].device_mesh
+    ranks, rank = mesh.size(), mesh.get_local_rank()
+    layout, total = [], 0
+    for p in params:
+        total = -(-total // 16) * 16  # aligned for any dtype's view
+        row_bytes = p.numel() // p.shape[0] * p.element_size()
+        chunk = -(-p.shape[0] // ranks) * row_bytes
+        layout.append((total, chunk, row_bytes))
+        total += chunk
+    local = params[0].to_local()
+    out = torch.empty((ranks, total), dtype=torch.uint8, device=local.device)
+    mine = out[rank]
+    for p, (offset, _, _) in zip(params, layout):
+        part = p.to_local().contiguous().view(-1).view(torch.uint8)
+        mine[offset:offset + part.numel()].copy_(part)
+    if ranks > 1:
+        dist.all_gather_into_tensor(out.view(-1), mine, group=mesh.get_group())
+    full = []
+    for p, (offset, chunk, row_bytes) in zip(params, layout):
+        flat = out[:, offset:offset + chunk].reshape(-1)[:p.shape[0] * row_bytes]
+        full.append(flat.view(p.dtype).view(p.shape))
+    return full

@@ -46,6 +46,7 @@ class WeightUpdater:
     inconsistent: str | None = None
     backup: dict[str, torch.Tensor] | None = None
     _scratch: torch.Tensor | None = None
+    _accepted: tuple[TensorSpec, ...] | None = None
 
     @property
     def state(self) -> str:
@@ -56,7 +57,15 @@ class WeightUpdater:
     # ---- checks -------------------------------------------------------------------------------
 
     def problems(self, specs: list[TensorSpec]) -> list[str]:
-        """Why these tensors cannot be loaded (empty when they can)."""
+        """Why these tensors cannot be loaded (empty when they can; the last accepted list is remembered,
+        since a trainer announces the same tensors every step)."""
+        if tuple(specs) == self._accepted:
+            return []
+        out = self._problems(specs)
+        self._accepted = None if out else tuple(specs)
+        return out
+
+    def _problems(self, specs: list[TensorSpec]) -> list[str]:
         out = []
         for spec in specs:
             try:

@@ -102,9 +102,8 @@ class HFWeightMap:
         param.weight_loader(param, tensor, shard_id)
 
     def load_all(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """``load`` each tensor, the plain copies in one ``torch._foreach_copy_`` (one launch for many
-        tensors on a GPU; a trainer pushes hundreds of them)."""
-        dsts, srcs = [], []
+        """``load`` each tensor, with the views of plain copies cached (``copy_targets``): a push of
+        hundreds of tensors spends its time in the copies, not in finding where they go."""
         for (name, tensor), target in zip(tensors, self.copy_targets(tuple(n for n, _ in tensors))):
             if target is None:
                 self.load(name, tensor)
@@ -114,10 +113,7 @@ class HFWeightMap:
             if part.shape != view.shape:
                 raise ValueError(f"wrong shape for {name!r}: this rank expects {tuple(view.shape)} of it, "
                                  f"got {tuple(part.shape)}")
-            dsts.append(view)
-            srcs.append(part)
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
+            view.copy_(part)
 
     def copy_targets(self, names: tuple[str, ...]) -> list[Any]:
         """For each HF name, (this rank's view, its ShardSpec) when a plain copy loads it, None when its
