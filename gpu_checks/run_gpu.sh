@@ -20,6 +20,7 @@
 #   bash gpu_checks/run_gpu.sh 8b-logits-w8a8  # ... teacher-forced logits vs transformers computing fp8 alike
 #   bash gpu_checks/run_gpu.sh tp2       # 2 GPUs: TP=2 vs TP=1 logits, TP=2 8B throughput
 #   bash gpu_checks/run_gpu.sh actor     # 2 GPUs: the engine actor's NCCL and CUDA IPC weight paths
+#   bash gpu_checks/run_gpu.sh colocation  # sleep/wake, IPC lifetime, same-GPU push (8B shape), colocated example
 set -uo pipefail
 out=${OUT:-gpu_out}
 mkdir -p "$out"
@@ -100,5 +101,11 @@ print(make_tiny_checkpoint('.gpucache/smollm2-shape', 'llama', hidden_size=576, 
 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, initializer_range=0.02, max_position_embeddings=2048))"
     step gpu-actor-check 400 python examples/gpu_actor_check.py --model .gpucache/smollm2-shape \
       --out "$out/gpu-actor-check.json" ;;
+  colocation)
+    step sleep-8b 150 python gpu_checks/check_sleep.py --preset llama-3.1-8b
+    step ipc-lifetime 90 python gpu_checks/check_ipc_lifetime.py
+    step push-colocated-8b 120 python -m weight_sync.bench --preset llama-3.1-8b --colocated tensor --repeats 8
+    step push-colocated-fsdp2-8b 100 python -m weight_sync.bench --preset llama-3.1-8b --colocated fsdp2 --repeats 3
+    step colocated-grpo-8b 120 python examples/colocated_grpo.py --preset llama-3.1-8b --device cuda --steps 5 ;;
   *) echo "unknown stage $1"; exit 2 ;;
 esac

@@ -220,11 +220,11 @@ class Engine:
         from rollout.weights.shared_tensors import IpcHandleCache, share
 
         named = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
-        self._ipc_handles = self._ipc_handles or IpcHandleCache()
-        specs, payload, cleanup = share(named, self._ipc_handles)
+        self._ipc_handles = self._ipc_handles or IpcHandleCache(receivers=self.config.tp_size)
+        specs, payload, done = share(named, self._ipc_handles)
         fut = self._call(UpdateWeightsFromTensorReq(specs=specs, payload=payload, flush_cache=flush_cache,
                                                     weight_version=weight_version, check_finite=check_finite), True)
-        fut.add_done_callback(lambda _: cleanup())
+        fut.add_done_callback(lambda f: done(not f.cancelled() and f.exception() is None))
         return fut if async_op else fut.result()
 
     def update_weight_cuda_ipc(self, name: str, dtype: Any, shape: Any, ipc_handle: Any, empty_cache: bool = False,

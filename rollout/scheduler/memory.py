@@ -27,14 +27,12 @@ from rollout.weights.updater import WeightUpdater
 
 class MemoryOccupation:
     def __init__(self, runner: ModelRunner, cache: KVCacheManager, updater: WeightUpdater,
-                 running: Callable[[], int], on_release: Callable[[], None] = lambda: None) -> None:
-        """``running()``: how many requests still hold KV (paused in place) when a release runs;
-        ``on_release()`` runs before a release (it closes the mappings of a colocated trainer's tensors)."""
+                 running: Callable[[], int]) -> None:
+        """``running()``: how many requests still hold KV (paused in place) when a release runs."""
         self.runner = runner
         self.cache = cache
         self.updater = updater
         self.running = running
-        self.on_release = on_release
         self.released: dict[str, bool] = {}  # tag → its contents were kept
 
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
@@ -54,7 +52,6 @@ class MemoryOccupation:
                              "finish before releasing memory")
         if "weights" in tags and self.updater.state == "updating":
             raise ValueError("a weight update is in progress: complete it before releasing the weights")
-        self.on_release()
         for tag in sorted(tags, key=TAGS.index):
             keep = req.keep_weights if tag == "weights" else False
             if tag == "kv_cache" and not self.cache.flush():

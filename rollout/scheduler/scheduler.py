@@ -66,8 +66,7 @@ class Scheduler:
         self.prefill = PrefillManager(config, self.cache, self.outputs)
         self.decode = DecodeManager(self.cache, self.outputs, self.stats)
         updater = WeightUpdater(self.runner.weight_map, device, keep_copy=config.keep_weight_copy)
-        self.memory = MemoryOccupation(self.runner, self.cache, updater, lambda: len(self.running),
-                                       on_release=lambda: self.weights.opened.clear())
+        self.memory = MemoryOccupation(self.runner, self.cache, updater, lambda: len(self.running))
         self.weights = WeightSync(updater, tp, device, self.cache, config.weight_version, self.memory.update_problem)
         self.reply = send_reply or (lambda reply: None)
         self.update_queue: deque[ExclusiveReq] = deque()  # calls waiting for no request in flight
@@ -108,6 +107,7 @@ class Scheduler:
             self.weights.expire_session()
             self.fail_held_requests()
         elif isinstance(msg, ShutdownReq):
+            self.weights.opened.clear()  # unmap a colocated trainer's tensors now: it may outlive this process
             self.stopped = True
 
     def add_request(self, msg: GenerateReq) -> None:

@@ -89,21 +89,24 @@ def partial_digest(view: torch.Tensor, full_shape: tuple[int, ...], dim: int | N
     outer = _prod(full_shape[:dim])
     inner = _prod(full_shape[dim + 1:])
     length = view.shape[dim]
-    block = view.reshape(outer, length * inner)
+    width = length * inner
+    block = view.reshape(outer, width)
     row_stride = full_shape[dim] * inner
-    step = max(1, _CHUNK // max(1, length * inner))
-    cols = torch.arange(length * inner, device=view.device, dtype=torch.int64)
+    step, col_step = max(1, _CHUNK // max(1, width)), max(1, min(width, _CHUNK))  # parts of ≤ _CHUNK elements
+    cols = torch.arange(col_step, device=view.device, dtype=torch.int64)
     sums = [0, 0]
     for o in range(0, outer, step):
-        part = block[o:o + step]
-        if use_numpy:
-            s1, s2 = _digest_numpy(part, o, row_stride, start * inner)
-        else:
-            rows = torch.arange(o, o + part.shape[0], device=view.device, dtype=torch.int64)
-            idx = ((rows[:, None] * row_stride + start * inner) & _M32) + cols[None, :]
-            s1, s2 = _digest_torch(_bits32(part).reshape(-1), idx.reshape(-1))
-        sums[0] += s1
-        sums[1] += s2
+        for c in range(0, width, col_step):
+            part = block[o:o + step, c:c + col_step]
+            offset = start * inner + c
+            if use_numpy:
+                s1, s2 = _digest_numpy(part, o, row_stride, offset)
+            else:
+                rows = torch.arange(o, o + part.shape[0], device=view.device, dtype=torch.int64)
+                idx = ((rows[:, None] * row_stride + offset) & _M32) + cols[None, :part.shape[1]]
+                s1, s2 = _digest_torch(_bits32(part).reshape(-1), idx.reshape(-1))
+            sums[0] += s1
+            sums[1] += s2
     return sums[0], sums[1]
 
 

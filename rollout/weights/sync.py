@@ -116,12 +116,16 @@ class WeightSync:
     def update_weights_from_tensor(self, req: UpdateWeightsFromTensorReq) -> dict[str, Any]:
         """Colocated trainer: tensors shared by handle (CUDA IPC) or through a shared-memory buffer."""
         start = time.perf_counter()
-        specs = parse_specs([s[0] for s in req.specs], [s[1] for s in req.specs], [s[2] for s in req.specs])
-        problems = self._problems(specs)
-        t_open = time.perf_counter()
-        tensors = open_shared(specs, req.payload, self.opened)
-        self.timing = {"validate_s": t_open - start, "open_s": time.perf_counter() - t_open}
-        return self._apply(tensors, problems, start, req.flush_cache, req.weight_version, req.check_finite, None)
+        try:  # mapped even when refused: each exported CUDA IPC handle is mapped and closed exactly once
+            specs = parse_specs([s[0] for s in req.specs], [s[1] for s in req.specs], [s[2] for s in req.specs])
+            tensors = open_shared(specs, req.payload, self.opened, self.tp.rank)
+            t_open = time.perf_counter()
+            problems = self._problems(specs)
+            self.timing = {"open_s": t_open - start, "validate_s": time.perf_counter() - t_open}
+            return self._apply(tensors, problems, start, req.flush_cache, req.weight_version, req.check_finite, None)
+        except BaseException:
+            self.opened.clear()  # the sender forgets its exports too when told of the failure
+            raise
 
     def update_weights_from_disk(self, req: UpdateWeightsFromDiskReq) -> dict[str, Any]:
         """Reload every parameter from a checkpoint directory (checked against its headers first)."""

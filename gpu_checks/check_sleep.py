@@ -1,8 +1,12 @@
 """sleep / wake_up on a GPU, measured from outside the engine: the engine processes' GPU memory (nvidia-smi)
 before and after ``sleep(1)`` and ``sleep(2)``, how long ``wake_up()`` takes after each, and whether greedy
-outputs after ``sleep(1)`` → ``wake_up()`` equal those before, token for token.
+outputs after ``sleep(1)`` → ``wake_up()`` equal those before, token for token (prompts one at a time, so the
+shapes and hence the bf16 rounding are the same each time; a batch's composition depends on arrival timing),
+and the weights' fingerprint is unchanged. Exit status 1 when an output
+differs, the engine holds more than ``--max-asleep-gib`` after ``sleep(2)``, or a level-1 ``wake_up()`` takes
+longer than ``--max-wake-s`` (the bounds of issue 19 for an 8B model).
 
-    python tools/sleep_probe.py --preset llama-3.1-8b [--mem-fraction-static 0.5]
+    python gpu_checks/check_sleep.py --preset llama-3.1-8b [--mem-fraction-static 0.5]
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ def main() -> int:
     p.add_argument("--preset", default="llama-3.1-8b")
     p.add_argument("--mem-fraction-static", type=float, default=0.5)
     p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--sequential", type=int, default=16, help="prompts generated one at a time, before and after")
+    p.add_argument("--max-asleep-gib", type=float, default=1.5)
+    p.add_argument("--max-wake-s", type=float, default=1.0)
     args = p.parse_args()
     from benchmarks.presets import write_preset
     from rollout import Engine, SamplingParams
@@ -48,13 +55,23 @@ def main() -> int:
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     prompts = [[100 + 37 * i + j for j in range(16 + i)] for i in range(args.prompts)]
     baseline = device_used_mib()
+    failures = []
     with Engine(path, dtype="bfloat16", device="cuda", enable_memory_saver=True, skip_tokenizer_init=True,
                 mem_fraction_static=args.mem_fraction_static) as engine:
         pids = [proc.pid for proc in engine._procs.procs]
-        run = lambda: [o.outputs[0].token_ids for o in engine.generate(  # noqa: E731
-            prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)]
-        before = run()
-        print(f"{args.preset}: engine awake {gpu_mib(pids, baseline) / 1024:.2f} GiB", flush=True)
+
+        def run(batch: list[list[int]]) -> list[list[int]]:
+            outs = engine.generate(prompt_token_ids=batch, sampling_params=greedy, use_tqdm=False)
+            return [o.outputs[0].token_ids for o in outs]
+
+        def one_by_one() -> list[list[int]]:  # the same shapes every time: greedy is reproducible
+            return [run([p])[0] for p in prompts[:args.sequential]]
+
+        before, before_fp = one_by_one(), engine.weights_fingerprint()
+        batch_a, batch_b = run(prompts), run(prompts)
+        print(f"{args.preset}: engine awake {gpu_mib(pids, baseline) / 1024:.2f} GiB; a batch of {len(prompts)} twice "
+              f"without sleeping: {sum(a == b for a, b in zip(batch_a, batch_b))}/{len(prompts)} equal (batch "
+              f"composition varies with arrival: greedy ties in a random model can flip)", flush=True)
         for level in (1, 1, 2):
             t = time.perf_counter()
             engine.sleep(level=level)
@@ -66,11 +83,18 @@ def main() -> int:
             line = (f"sleep(level={level}): {slept:.3f} s, engine then {asleep:.2f} GiB; wake_up(): {woke:.3f} s, "
                     f"engine {gpu_mib(pids, baseline) / 1024:.2f} GiB")
             if level == 1:
-                after = run()
+                after, same_fp = one_by_one(), engine.weights_fingerprint() == before_fp
                 same = sum(a == b for a, b in zip(after, before))
-                line += f"; greedy after == before: {same}/{len(before)} prompts"
+                line += f"; weights fingerprint equal: {same_fp}; greedy one by one after == before: {same}/{len(before)}"
+                if same != len(before) or not same_fp:
+                    failures.append(f"weights or greedy outputs changed after sleep({level})")
+                if woke > args.max_wake_s:
+                    failures.append(f"wake_up() after sleep(1) took {woke:.3f} s > {args.max_wake_s} s")
+            elif asleep > args.max_asleep_gib:
+                failures.append(f"asleep at level 2 the engine held {asleep:.2f} GiB > {args.max_asleep_gib} GiB")
             print(line, flush=True)
-    return 0
+    print("OK" if not failures else "FAILED: " + "; ".join(failures))
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
