@@ -118,35 +118,55 @@ class TrainerRank:
 
     def run(self, engines: list[Any], modes: list[str]) -> dict[str, Any] | None:
         """Build, then for each mode: a train step, a sync, a measurement. Rank 0 returns the report."""
-        import ray
-
-        import weight_sync
-        from trainer_adapters import broadcast_to_engines, full_named_parameters
+        from trainer_adapters import full_named_parameters
 
         info = self.build()
-        lead = self.rank == 0
-        group = group_name = None
-        if lead:  # OpenRLHF's order: every engine starts joining, then the trainer joins as rank 0
-            port, group_name = free_port(), f"test-{self.backend}"
-            refs = [e.init_process_group.remote("127.0.0.1", port, 1 + i, 1 + len(engines), group_name,
-                                                backend="gloo") for i, e in enumerate(engines)]
-            group = weight_sync.init_process_group("127.0.0.1", port, 0, 1 + len(engines), group_name,
-                                                   backend="gloo", timeout=120)
-            ray.get(refs)
         steps = []
         for i, mode in enumerate(modes):
             loss = self.train_step(seed=100 + i)
-            report = broadcast_to_engines(self.model, engines if lead else None, group, group_name=group_name,
-                                          mode=mode, bucket_bytes=64 << 10, weight_version=f"{mode}-{i}")
+            report = self.sync(engines, mode, f"{mode}-{i}")
             full = full_named_parameters(self.model)  # collective for sharded models
-            if lead:
+            if report is not None:
                 steps.append({"mode": mode, "loss": loss, "buckets": report.num_buckets,
                               "tensors": report.num_tensors, **self.measure(full, engines)})
-        if lead:
-            ray.get([e.destroy_process_group.remote(group_name) for e in engines])
-            weight_sync.destroy_process_group(group)
-            return {"info": info, "steps": steps}
-        return None
+        self.close_group(engines)
+        return {"info": info, "steps": steps} if self.rank == 0 else None
+
+    def sync(self, engines: list[Any], mode: str, weight_version: str) -> Any:
+        """Broadcast the weights into ``engines`` over a gloo group joined on first use (OpenRLHF's order:
+        every engine starts joining, then the trainer joins as rank 0); rank 0 returns the report."""
+        import ray
+
+        import weight_sync
+        from trainer_adapters import broadcast_to_engines
+
+        lead = self.rank == 0
+        if lead and getattr(self, "group", None) is None:
+            port, self.group_name = free_port(), f"test-{self.backend}"
+            refs = [e.init_process_group.remote("127.0.0.1", port, 1 + i, 1 + len(engines), self.group_name,
+                                                backend="gloo") for i, e in enumerate(engines)]
+            self.group = weight_sync.init_process_group("127.0.0.1", port, 0, 1 + len(engines), self.group_name,
+                                                        backend="gloo", timeout=120)
+            ray.get(refs)
+        return broadcast_to_engines(self.model, engines if lead else None, getattr(self, "group", None),
+                                    group_name=getattr(self, "group_name", None), mode=mode, bucket_bytes=64 << 10,
+                                    weight_version=weight_version)
+
+    def check(self, engines: list[Any]) -> dict[str, Any]:
+        """``measure`` on the current weights (one rank: the plain module)."""
+        from trainer_adapters import full_named_parameters
+
+        return self.measure(full_named_parameters(self.model), engines)
+
+    def close_group(self, engines: list[Any]) -> None:
+        import ray
+
+        import weight_sync
+
+        if getattr(self, "group", None) is not None:
+            ray.get([e.destroy_process_group.remote(self.group_name) for e in engines])
+            weight_sync.destroy_process_group(self.group)
+            self.group = None
 
     def measure(self, full: list[tuple[str, torch.Tensor]], engines: list[Any]) -> dict[str, Any]:
         """transformers on the trainer's gathered weights vs every engine: fingerprints, greedy, logprobs."""

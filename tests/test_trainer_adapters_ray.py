@@ -129,3 +129,48 @@ def test_unsupported_group_options_are_clear_errors(engines):
     with pytest.raises(ValueError, match="needs a GPU engine"):
         ray.get(engines[0].update_weight_cuda_ipc.remote("lm_head.weight", "float32", [4], {}))
     assert ray.get(engines[0].get_weight_state.remote())["state"] == "consistent"
+
+
+def test_colocated_engine_sleeps_while_its_trainer_trains(cluster, path):
+    """OpenRLHF's hybrid engine on one bundle: the engine actor (0.5 CPU, ``enable_sleep_mode``) and the
+    trainer's actor (the rest) share a placement-group bundle. Each step: sleep → train → wake the
+    weights → push → wake the KV cache → the engine equals transformers on the new weights. Asleep it
+    refuses generation with the reason; level 1 wakes to the same greedy tokens."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from trainer_adapters import create_engines
+
+    pg = placement_group([{"CPU": 2}], strategy="PACK")
+    ray.get(pg.ready())
+    engine = create_engines(1, 1, path, seed=7, shared_pg=pg, num_cpus_per_actor=0.5, dtype="float32",
+                            enable_sleep_mode=True, weight_sync_timeout=120)[0]
+    trainer = ray.remote(TrainerRank).options(num_cpus=1.5, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=0)).remote("module", 0, 1, free_port(), path)
+    try:
+        ray.get(trainer.build.remote())
+        before = ray.get(engine.generate.remote(CHECK_PROMPTS, {"temperature": 0.0, "max_tokens": 6}))
+        assert ray.get(engine.sleep.remote(1))["sleeping"] and ray.get(engine.is_sleeping.remote())
+        with pytest.raises(Exception, match="asleep"):
+            ray.get(engine.generate.remote(CHECK_PROMPTS[:1], {"max_tokens": 2}), timeout=60)
+        ray.get(engine.wake_up.remote())
+        again = ray.get(engine.generate.remote(CHECK_PROMPTS, {"temperature": 0.0, "max_tokens": 6}))
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in before]
+        for step in range(2):
+            ray.get(engine.sleep.remote(2))
+            ray.get(trainer.train_step.remote(200 + step))
+            ray.get(engine.wake_up.remote(["weights"]))
+            ray.get(trainer.sync.remote([engine], "bucket", f"colocated-{step}"))
+            ray.get(engine.wake_up.remote(["kv_cache"]))
+            assert not ray.get(engine.is_sleeping.remote())
+            report = ray.get(trainer.check.remote([engine]))
+            eng = report["engines"][0]
+            assert eng["fp"] == report["trainer_fp"] and eng["greedy"] == report["hf_greedy"]
+            assert eng["max_dlogprob"] < 1e-4 and eng["version"] == f"colocated-{step}"
+        ray.get(trainer.close_group.remote([engine]))
+        assert ray.get(engine.get_weight_state.remote())["state"] == "consistent"
+    finally:
+        ray.get(engine.shutdown.remote(), timeout=60)
+        for actor in (engine, trainer):
+            ray.kill(actor)
+        remove_placement_group(pg)
