@@ -8,7 +8,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")  # auto: flashinfer on CUDA when installed
@@ -19,7 +21,15 @@ QUANTIZATION_METHODS = ("fp8",)  # online: a checkpoint in the model dtype, quan
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Facts about a Llama-family checkpoint, read from its HF ``config.json``."""
+    """Facts about a Llama-family checkpoint, read from its HF ``config.json``.
+
+    Mixture-of-experts checkpoints (Qwen3-MoE, Mixtral) set ``num_experts`` > 0 (dense models: 0):
+    ``num_experts_per_tok`` experts (top-k) of ``moe_intermediate_size`` each run per token on the layers in
+    ``sparse_layers``; the others have the dense MLP of ``intermediate_size``. ``norm_topk_prob``: the
+    top-k router probabilities are renormalized to sum to 1. ``moe_topk_weights_fp32``: the routing
+    weights multiply the experts' outputs in float32 (Mixtral) rather than in the model dtype (Qwen3-MoE),
+    as each model's transformers code does.
+    """
 
     architecture: str
     vocab_size: int
@@ -39,6 +49,12 @@ class ModelConfig:
     rope: dict[str, Any] = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_topk_weights_fp32: bool = False
+    sparse_layers: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -79,19 +95,49 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in _QK_NORM_ARCHITECTURES,
             hidden_act=act,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             rope=_rope_params(raw),
             eos_token_ids=eos_ids,
             sliding_window=window,
             raw=raw,
+            **_moe_fields(arch, raw),
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def _moe_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of ``ModelConfig`` (none for a dense architecture), decided as transformers decides
+    them: Qwen3-MoE's layer ``i`` is sparse unless ``i`` is in ``mlp_only_layers`` or ``(i + 1)`` is not a
+    multiple of ``decoder_sparse_step`` (``Qwen3MoeDecoderLayer``); every Mixtral layer is sparse, its
+    experts are ``intermediate_size`` wide and its top-k weights always renormalized."""
+    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+        return {}
+    # transformers writes Qwen3-MoE's num_experts as num_local_experts (its attribute_map) and reads either
+    num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    top_k = int(raw.get("num_experts_per_tok") or 0)
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise ValueError(f"{arch} needs num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts, got "
+                         f"{num_experts} and {top_k}")
+    layers = range(raw["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["intermediate_size"],
+                    norm_topk_prob=True, moe_topk_weights_fp32=True, sparse_layers=tuple(layers))
+    dense = set(raw.get("mlp_only_layers") or [])
+    step = int(raw.get("decoder_sparse_step") or 1)
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["moe_intermediate_size"],
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)), moe_topk_weights_fp32=False,
+                sparse_layers=tuple(i for i in layers if i not in dense and (i + 1) % step == 0))
 
 
 def _arch_from_model_type(model_type: str) -> str:
     return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}.get(model_type, model_type or "<missing>")
+            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "mixtral": "MixtralForCausalLM"}.get(model_type, model_type or "<missing>")
 
 
 def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:

@@ -32,16 +32,23 @@ def _tokenizer():
 
 def make_tiny_checkpoint(path: str, arch: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0,
                          **overrides) -> str:
-    """Write a random tiny checkpoint of ``arch`` (llama, mistral, qwen2, qwen3) into ``path``."""
-    from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
+    """Write a random tiny checkpoint of ``arch`` (llama, mistral, qwen2, qwen3, and the mixture-of-experts
+    qwen3_moe and mixtral: 8 experts, top-2) into ``path``."""
+    from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
+                              Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
                   tie_word_embeddings=False)
+    if arch == "qwen3_moe":
+        common.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
+    if arch == "mixtral":
+        common.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48)
     common.update(overrides)
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
-    if arch == "qwen3":
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}[arch]
+    if arch in ("qwen3", "qwen3_moe"):
         common.setdefault("head_dim", 32)
     config = cls(**common)
     torch.manual_seed(seed)

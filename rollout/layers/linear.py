@@ -122,6 +122,19 @@ class _QuantizableLinear(nn.Module):
         return fp8_linear(x, self.weight, self.weight_scale, bias)
 
 
+class ReplicatedLinear(_QuantizableLinear):
+    """y = x W^T + b with the whole weight on every rank (SGLang's name; a MoE router, ``gate``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: Any = None) -> None:
+        super().__init__()
+        self._make_weight((out_features, in_features), dtype, device, None, replicated_view)
+        self.bias = attach(_new_param((out_features,), dtype, device), replicated_view) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+
 class ColumnParallelLinear(_QuantizableLinear):
     """y = x W^T + b with W's output rows split across ranks; the output stays sharded."""
 

@@ -1,4 +1,5 @@
-"""One Llama-family model for Llama 2/3, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm), tensor-parallel."""
+"""One Llama-family model for Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm) and their mixture-of-experts
+kin Qwen3-MoE (Qwen3's attention) and Mixtral (Mistral's), tensor-parallel."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from rollout.layers.norm import RMSNorm
 from rollout.layers.quantization import Fp8Activation, fused_quant_supports
 from rollout.layers.rotary import RotaryEmbedding, rope_inv_freq
 from rollout.model_executor.forward_batch import ForwardBatch
+from rollout.models.moe import SparseMoeBlock
 
 
 class LlamaAttention(nn.Module):
@@ -84,13 +86,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; the residual stream is passed along so norms can fuse the add (HF's order)."""
+    """Pre-norm block; the residual stream is passed along so norms can fuse the add (HF's order). Its ``mlp``
+    is a ``SparseMoeBlock`` on the layers ``cfg.sparse_layers`` names (MoE models), else the dense MLP."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup,
                  dtype: torch.dtype, device: Any, fused: bool = False, quant: str | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, rotary, tp, dtype, device, fused, quant)
-        self.mlp = LlamaMLP(cfg, tp, dtype, device, fused, quant)
+        sparse = layer_id in cfg.sparse_layers
+        self.mlp = (SparseMoeBlock if sparse else LlamaMLP)(cfg, tp, dtype, device, fused, quant)
         # before fp8 projections the fused norms also quantize their output (no separate kernel)
         quantize = fused and quant == "fp8" and fused_quant_supports(cfg.hidden_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused, quantize)

@@ -64,7 +64,7 @@ def load_weights(weight_map: HFWeightMap, tensors: Iterator[tuple[str, torch.Ten
         if weight_map.is_ignored(name):
             continue
         weight_map.load(name, tensor)
-        seen.add(weight_map.canonical(name))
+        seen.update(weight_map.covered(name))
     missing = [n for n in weight_map.shapes if n not in seen]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} parameters, e.g. {missing[:3]}")

@@ -132,7 +132,8 @@ def fingerprint(model_or_tensors: Any, dtype: torch.dtype | str | None = None,
     ``dtype`` casts each tensor first (pass the engine's dtype when the trainer keeps float32 master
     weights and the engine serves bfloat16). ``names`` restricts the set (default: all parameters).
     ``quantization`` is the engine's (``"fp8"``): the weights it stores quantized enter as the fp8
-    values and row scales the engine computes from them (``rollout.layers.quantization``).
+    values and row scales the engine computes from them (``rollout.layers.quantization``). Expert
+    parameters of MoE models may come in any naming (per expert, transformers 5's fused tensors, Mixtral's).
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -148,10 +149,18 @@ def fingerprint(model_or_tensors: Any, dtype: torch.dtype | str | None = None,
                 t = t.full_tensor()
             if dtype is not None:
                 t = t.to(dtype)
-            for entry_name, entry in _stored_tensors(name, t, quantization):
+            for entry_name, entry in _stored_tensors_of(name, t, quantization):
                 s1, s2 = partial_digest(entry, tuple(entry.shape), None, 0)
                 entries.append((entry_name, tuple(entry.shape), dtype_name(entry.dtype), s1, s2))
     return combine(entries)
+
+
+def _stored_tensors_of(name: str, t: torch.Tensor, quantization: str | None) -> list[tuple[str, torch.Tensor]]:
+    """The fingerprint entries of one trainer tensor: expert parameters in the one naming the engine uses
+    (``expert_names.fingerprint_entries``; a fused tensor as its experts' slices), each as stored."""
+    from rollout.weights.expert_names import fingerprint_entries
+
+    return [stored for entry in fingerprint_entries(name, t) for stored in _stored_tensors(*entry, quantization)]
 
 
 def _stored_tensors(name: str, t: torch.Tensor, quantization: str | None) -> list[tuple[str, torch.Tensor]]:

@@ -137,7 +137,7 @@ class WeightSync:
         names = [n for n in shapes if not wm.is_ignored(n)]
         problems = self._problems(parse_specs(names, [shapes[n][0] for n in names],
                                               [list(shapes[n][1]) for n in names]))
-        missing = sorted(set(wm.shapes) - {wm.canonical(n) for n in names})
+        missing = sorted(set(wm.shapes) - {c for n in names for c in wm.covered(n)})
         if missing:
             problems.append(f"checkpoint {req.model_path!r} lacks {len(missing)} parameters, e.g. {missing[:3]}")
         if problems:

@@ -117,7 +117,7 @@ class WeightUpdater:
         if self.keep_copy and not self.session and self.inconsistent is None:
             self.backup = {n: p.detach().to("cpu", copy=True) for n, p in self.weight_map.params.items()}
         self.weight_map.load_all(tensors)
-        self.session.update(self.weight_map.canonical(name) for name, _ in tensors)
+        self.session.update(n for name, _ in tensors for n in self.weight_map.covered(name))
 
     def touch_deadline(self, group_name: str | None, timeout_s: float) -> None:
         """An update call just loaded tensors: an open session now expires ``timeout_s`` from now."""
@@ -176,12 +176,13 @@ class WeightUpdater:
             view, spec = self.weight_map.local_view(name)
             full = self.weight_map.shapes[name]
             s1, s2 = partial_digest(view, full, spec.dim, spec.start)
-            out.append((name, (spec.dim, spec.start, spec.length), dtype_name(view.dtype), s1, s2))
+            key = self.weight_map.fingerprint_name(name)
+            out.append((key, (spec.dim, spec.start, spec.length), dtype_name(view.dtype), s1, s2))
             scales = self.weight_map.local_scale_view(name)
             if scales is not None:
                 sview, sspec = scales
                 s1, s2 = partial_digest(sview, (full[0],), sspec.dim, sspec.start)
-                out.append((scale_name(name), (sspec.dim, sspec.start, sspec.length), dtype_name(sview.dtype), s1, s2))
+                out.append((scale_name(key), (sspec.dim, sspec.start, sspec.length), dtype_name(sview.dtype), s1, s2))
         return out
 
     def local_tensor(self, name: str) -> tuple[torch.Tensor, Any]:

@@ -3,6 +3,11 @@
 The checkpoint loader, every weight-update path, ``get_weights_by_name`` and the fingerprint all go
 through ``HFWeightMap``: trainers speak Hugging Face names and layouts, the engine stores fused
 ``qkv_proj`` / ``gate_up_proj`` shards.
+
+Mixture-of-experts layers (``rollout.weights.expert_names``): ``shapes`` lists the checkpoint's per-expert
+names; a trainer may also send transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj`` (and
+Mixtral's router as ``mlp.gate.weight``), the ``aliases``, each covering several checkpoint names. All of
+them load into the stacked ``FusedMoE`` tensors ``w13_weight`` / ``w2_weight``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import torch
 from torch import nn
 
 from rollout.config import ModelConfig
+from rollout.weights import expert_names
+from rollout.weights.expert_names import ExpertParam
 
 # (fused internal name, HF name, shard id)
 _STACKED = (
@@ -47,15 +54,28 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        shapes[p + "mlp.gate_proj.weight"] = (i, h)
-        shapes[p + "mlp.up_proj.weight"] = (i, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, i)
+        if n in cfg.sparse_layers:
+            shapes.update(expert_names.checkpoint_shapes(cfg.architecture, n, cfg.num_experts, h,
+                                                         cfg.moe_intermediate_size))
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (i, h)
+            shapes[p + "mlp.up_proj.weight"] = (i, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes
+
+
+def expert_aliases(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """{other name: (full shape, the ``expected_hf_shapes`` names it covers)} of an MoE model's sparse layers."""
+    out: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+    for n in cfg.sparse_layers:
+        out.update(expert_names.aliases(cfg.architecture, n, cfg.num_experts, cfg.hidden_size,
+                                        cfg.moe_intermediate_size))
+    return out
 
 
 class HFWeightMap:
@@ -65,6 +85,7 @@ class HFWeightMap:
         self.params = dict(model.named_parameters())
         self.cfg = cfg
         self.shapes = expected_hf_shapes(cfg)
+        self.aliases = expert_aliases(cfg)
         self._targets: tuple[tuple[str, ...], list[Any]] | None = None
 
     @staticmethod
@@ -77,46 +98,84 @@ class HFWeightMap:
             return "model.embed_tokens.weight"
         return hf_name
 
+    def covered(self, hf_name: str) -> tuple[str, ...]:
+        """The ``shapes`` names that loading ``hf_name`` sets (several for a fused expert tensor)."""
+        alias = self.aliases.get(hf_name)
+        return alias[1] if alias is not None else (self.canonical(hf_name),)
+
     def resolve(self, hf_name: str) -> tuple[nn.Parameter, Any]:
-        """(internal parameter, shard id) holding ``hf_name``; ValueError for an unknown name."""
+        """(internal parameter, shard id) holding ``hf_name``, a name of ``shapes``; ValueError otherwise."""
+        targets = self.resolve_all(hf_name)
+        if len(targets) != 1 or hf_name in self.aliases:
+            raise ValueError(f"{hf_name!r} is not a single stored parameter")
+        return targets[0]
+
+    def resolve_all(self, hf_name: str) -> list[tuple[nn.Parameter, Any]]:
+        """Every (internal parameter, shard id) that ``hf_name`` (a name of ``shapes`` or an alias) loads."""
         name = self.canonical(hf_name)
-        if name not in self.shapes:
-            raise ValueError(f"unknown parameter name {hf_name!r}")
+        if name not in self.shapes and name not in self.aliases:
+            raise ValueError(self._unknown(hf_name))
+        expert = expert_names.parse(name) if self.cfg.is_moe else None
+        if expert is not None:
+            return self._expert_targets(expert)
         for fused, part, shard_id in _STACKED:
             if f".{part}." in name:
-                return self.params[name.replace(f".{part}.", f".{fused}.")], shard_id
-        return self.params[name], None
+                return [(self.params[name.replace(f".{part}.", f".{fused}.")], shard_id)]
+        return [(self.params[name], None)]
+
+    def _expert_targets(self, p: ExpertParam) -> list[tuple[nn.Parameter, Any]]:
+        prefix = f"model.layers.{p.layer}.mlp."
+        if p.proj == "router":
+            return [(self.params[prefix + "gate.weight"], None)]
+        if p.proj == "down":
+            return [(self.params[prefix + "experts.w2_weight"], (p.expert, "down"))]
+        w13 = self.params[prefix + "experts.w13_weight"]
+        if p.proj == "gate_up":  # transformers 5's fused [E, 2I, H]: its gate half and its up half
+            return [(w13, (None, "gate")), (w13, (None, "up"))]
+        return [(w13, (p.expert, p.proj))]
+
+    def _unknown(self, hf_name: str) -> str:
+        if self.cfg.is_moe:
+            block = "block_sparse_moe" if self.cfg.architecture == "MixtralForCausalLM" else "mlp"
+            why = expert_names.malformed(hf_name, self.cfg.num_experts, block)
+            if why is not None:
+                return why
+        return f"unknown parameter name {hf_name!r}"
+
+    def full_shape(self, hf_name: str) -> tuple[int, ...] | None:
+        alias = self.aliases.get(hf_name)
+        return alias[0] if alias is not None else self.shapes.get(self.canonical(hf_name))
 
     def check(self, hf_name: str, shape: tuple[int, ...]) -> None:
-        """ValueError unless ``hf_name`` is a parameter whose full shape is ``shape``."""
-        expected = self.shapes.get(self.canonical(hf_name))
+        """ValueError unless ``hf_name`` is a parameter (or alias) whose full shape is ``shape``."""
+        expected = self.full_shape(hf_name)
         if expected is None:
-            raise ValueError(f"unknown parameter name {hf_name!r}")
+            raise ValueError(self._unknown(hf_name))
         if tuple(shape) != expected:
             raise ValueError(f"wrong shape for {hf_name!r}: expected {list(expected)}, got {list(shape)}")
 
     def load(self, hf_name: str, tensor: torch.Tensor) -> None:
         """Copy this rank's shard of the full HF tensor into place."""
         self.check(hf_name, tuple(tensor.shape))
-        param, shard_id = self.resolve(hf_name)
-        param.weight_loader(param, tensor, shard_id)
+        for param, shard_id in self.resolve_all(hf_name):
+            param.weight_loader(param, tensor, shard_id)
 
     def load_all(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """``load`` each tensor, with the views of plain copies cached (``copy_targets``): a push of
         hundreds of tensors spends its time in the copies, not in finding where they go."""
-        for (name, tensor), target in zip(tensors, self.copy_targets(tuple(n for n, _ in tensors))):
-            if target is None:
+        for (name, tensor), targets in zip(tensors, self.copy_targets(tuple(n for n, _ in tensors))):
+            if targets is None:
                 self.load(name, tensor)
                 continue
-            view, spec = target
-            part = spec.take(tensor)
-            if part.shape != view.shape:
-                raise ValueError(f"wrong shape for {name!r}: this rank expects {tuple(view.shape)} of it, "
-                                 f"got {tuple(part.shape)}")
-            view.copy_(part)
+            for view, spec in targets:
+                part = spec.take(tensor)
+                if part.shape != view.shape:
+                    raise ValueError(f"wrong shape for {name!r}: this rank expects {tuple(view.shape)} of it, "
+                                     f"got {tuple(part.shape)}")
+                view.copy_(part)
 
     def copy_targets(self, names: tuple[str, ...]) -> list[Any]:
-        """For each HF name, (this rank's view, its ShardSpec) when a plain copy loads it, None when its
+        """For each HF name, the [(this rank's view, its ShardSpec)] that plain copies load, None when its
         loader does more (fp8 quantization). Cached for the last list of names (a trainer sends the same
         ones every step; the views stay valid because parameters are never rebound)."""
         from rollout.layers.linear import load_shard
@@ -124,15 +183,22 @@ class HFWeightMap:
         if self._targets is None or self._targets[0] != names:
             targets = []
             for name in names:
-                param, shard_id = self.resolve(name)
-                targets.append(param.shard_view(param, shard_id) if param.weight_loader is load_shard else None)
+                resolved = self.resolve_all(name)
+                plain = all(param.weight_loader is load_shard for param, _ in resolved)
+                targets.append([param.shard_view(param, shard) for param, shard in resolved] if plain else None)
             self._targets = (names, targets)
         return self._targets[1]
 
     def local_view(self, hf_name: str):
-        """(this rank's view of ``hf_name``, its ShardSpec in the full tensor)."""
+        """(this rank's view of ``hf_name``, a name of ``shapes``, and its ShardSpec in the full tensor)."""
         param, shard_id = self.resolve(hf_name)
         return param.shard_view(param, shard_id)
+
+    @staticmethod
+    def fingerprint_name(name: str) -> str:
+        """The fingerprint's name of ``shapes`` name ``name``: one naming of expert parameters for every
+        architecture and trainer (``expert_names.fingerprint_entries``)."""
+        return expert_names.fingerprint_name(name)
 
     def local_scale_view(self, hf_name: str):
         """(this rank's view of the row scales of fp8-stored ``hf_name``, its ShardSpec in the full
@@ -144,10 +210,10 @@ class HFWeightMap:
 
     @property
     def fingerprint_shapes(self) -> dict[str, tuple[int, ...]]:
-        """``shapes`` plus, for each fp8-stored weight, its row scales under ``scale_name(name)``."""
+        """``shapes`` under their fingerprint names plus, for each fp8-stored weight, its row scales under ``scale_name(name)``."""
         from rollout.layers.quantization import scale_name
 
-        out = dict(self.shapes)
+        out = {self.fingerprint_name(name): shape for name, shape in self.shapes.items()}
         for name, shape in self.shapes.items():
             param, _ = self.resolve(name)
             if getattr(param, "scale", None) is not None:
