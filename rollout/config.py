@@ -187,6 +187,9 @@ class EngineConfig:
     weights as float8_e4m3fn with per-row scales and quantizes their inputs per token
     (``rollout.layers.quantization``): half the weight bytes and fp8 tensor-core GEMMs, at fp8
     precision. Weight updates still send model-dtype tensors; the engine quantizes them as they land.
+    ``enable_return_routed_experts`` (vLLM's and SGLang's name; mixture-of-experts models) keeps the experts
+    each token was routed to beside its KV (``rollout.mem_cache.routed_experts``), so requests may ask for
+    them (``SamplingParams.return_routed_experts``) for rollout routing replay.
     """
 
     model_path: str
@@ -221,6 +224,7 @@ class EngineConfig:
     page_size: int = 1
     skip_tokenizer_init: bool = False
     enable_memory_saver: bool = False
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -258,6 +258,7 @@ class TokenOut:
     weight_version: str = ""
     spec: DecodeSpec | None = None
     prompt_logprobs: PromptLogprobsOut | None = None
+    routed_experts: Any = None  # at finish, with return_routed_experts: int32 ndarray [tokens, layers, top_k]
     text: str = ""
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -22,7 +23,10 @@ class CompletionOutput:
     top-k alternatives when ``SamplingParams.logprobs = k > 0``); ``token_logprobs[i]`` is the sampled
     token's logprob as a plain float. Both are None when logprobs were not requested.
     ``finish_reason`` is "stop", "length" or "abort" (None while running); ``stop_reason`` is the stop
-    token id or stop string that ended it.
+    token id or stop string that ended it. ``routed_experts`` (with ``SamplingParams.return_routed_experts``,
+    in the final output; vLLM's and SGLang's shape): int32 ndarray [prompt + completion - 1 -
+    routed_experts_start_len, num_hidden_layers, top_k], the experts each token that went through the model
+    was routed to at each layer (largest routing weight first; -1 on dense layers).
     """
 
     index: int
@@ -33,6 +37,7 @@ class CompletionOutput:
     token_logprobs: list[float] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    routed_experts: Any = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -25,6 +25,7 @@ class SeqState:
     stop_reason: int | str | None = None
     sent_tokens: int = 0
     sent_text: int = 0
+    routed_experts: Any = None
 
 
 class ReqState:
@@ -69,6 +70,8 @@ class ReqState:
             if out.prompt_logprobs is not None:
                 self.prompt_logprobs = out.prompt_logprobs
             self.weight_version = out.weight_version
+            if out.routed_experts is not None:
+                seq.routed_experts = out.routed_experts
             if out.finished is not None:
                 seq.finish_reason = out.finished.type
                 seq.stop_reason = out.finished.matched
@@ -99,7 +102,7 @@ def _completion(state: ReqState, index: int, seq: SeqState, delta: bool, tokeniz
         index=index, text=seq.text[c0:], token_ids=seq.token_ids[t0:],
         cumulative_logprob=sum(seq.logprobs) if want else None,
         logprobs=_logprob_dicts(seq, t0, tokenizer) if want else None, token_logprobs=lps,
-        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, routed_experts=seq.routed_experts)
 
 def _logprob_dicts(seq: SeqState, start: int, tokenizer: Any) -> list[dict[int, Logprob]]:
     ids = seq.token_ids[start:len(seq.logprobs)]

@@ -27,6 +27,10 @@ class SamplingParams:
     ``prompt_logprobs`` (vLLM's name) is None (off) or k >= 0: the logprob of every prompt token given the
     ones before it (raw, like ``logprobs``), with the top-k alternatives, in ``RequestOutput.prompt_logprobs``;
     ``logprob_start_len`` (SGLang's name) starts them later: positions up to and including it get None.
+    ``return_routed_experts`` (SGLang's and vLLM's name; MoE models on an engine started with
+    ``enable_return_routed_experts``) returns, in ``CompletionOutput.routed_experts``, the experts every
+    token that went through the model was routed to: int32 [prompt + completion - 1 - routed_experts_start_len,
+    num_hidden_layers, top_k], from position ``routed_experts_start_len`` (0 to the prompt length) on.
     """
 
     max_new_tokens: int = 128
@@ -50,6 +54,8 @@ class SamplingParams:
     logprobs_mode: str = "raw"
     prompt_logprobs: int | None = None
     logprob_start_len: int = 0
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
     def __init__(self, **kwargs: Any) -> None:
         names = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -133,8 +139,9 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        _check_int(self, "routed_experts_start_len", lo=0)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-                     "spaces_between_special_tokens"):
+                     "spaces_between_special_tokens", "return_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -84,6 +84,19 @@ class TokenizerManager:
                              f"({len(prompt_ids)})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if params.return_routed_experts:
+            self._validate_routed_experts(prompt_ids, params)
+
+    def _validate_routed_experts(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not self.model_cfg.is_moe:
+            raise ValueError(f"return_routed_experts needs a mixture-of-experts model; {self.model_cfg.architecture} "
+                             "routes no experts")
+        if not self.config.enable_return_routed_experts:
+            raise ValueError("return_routed_experts needs an engine started with enable_return_routed_experts=True "
+                             "(server flag --enable-return-routed-experts)")
+        if params.routed_experts_start_len > len(prompt_ids):
+            raise ValueError(f"routed_experts_start_len ({params.routed_experts_start_len}) must be at most the prompt "
+                             f"length ({len(prompt_ids)})")
 
     def submit(self, prompt: str | None, prompt_ids: list[int] | None, params: SamplingParams,
                sink: Callable[[ReqState], None], rid: str | None = None, stream: bool = False) -> ReqState:

@@ -20,7 +20,7 @@ def tiny_dir(tmp_path_factory):
     made: dict = {}
 
     def get(arch: str = "llama", **overrides) -> str:
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, repr(sorted(overrides.items())))
         if key not in made:
             path = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
             made[key] = make_tiny_checkpoint(path, arch, **overrides)

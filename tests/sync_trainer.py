@@ -72,6 +72,8 @@ def push(mode: str, model: Any, engines: list[Any], group: Any, group_name: str)
     from rollout.weights.buckets import flatten
 
     named = [(n, p.detach()) for n, p in model.named_parameters()]
+    if mode == "per_expert":  # a transformers 4 trainer (OpenRLHF's loop): one tensor per expert projection
+        named, mode = per_expert_named(model), "openrlhf"
     start = time.perf_counter()
     if mode in ("bucket", "per_tensor"):
         sender = weight_sync.WeightSender(engines, group, group_name, bucket_bytes=64 << 10,
@@ -103,6 +105,30 @@ def push(mode: str, model: Any, engines: list[Any], group: Any, group_name: str)
     else:
         raise ValueError(mode)
     return {"summary": f"{mode}: {time.perf_counter() - start:.3f} s"}
+
+
+def per_expert_named(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """``model``'s parameters as a transformers 4 MoE model names them: transformers 5's fused
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] become one tensor per expert and
+    projection, under the checkpoint's names (Qwen3-MoE ``mlp.experts.{e}.gate_proj.weight``; Mixtral
+    ``block_sparse_moe.experts.{e}.w1.weight``, and its router ``block_sparse_moe.gate.weight``)."""
+    mixtral = model.config.model_type == "mixtral"
+    block, (gate, up, down) = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    out = []
+    for name, p in model.named_parameters():
+        prefix, _, last = name.rpartition(".mlp.")
+        if last == "gate.weight":
+            out.append((f"{prefix}.{block}.gate.weight", p.detach()))
+        elif last == "experts.gate_up_proj":
+            inter = p.shape[1] // 2
+            for e in range(p.shape[0]):
+                out.append((f"{prefix}.{block}.experts.{e}.{gate}.weight", p.detach()[e, :inter]))
+                out.append((f"{prefix}.{block}.experts.{e}.{up}.weight", p.detach()[e, inter:]))
+        elif last == "experts.down_proj":
+            out += [(f"{prefix}.{block}.experts.{e}.{down}.weight", p.detach()[e]) for e in range(p.shape[0])]
+        else:
+            out.append((name, p.detach()))
+    return [(n, t.contiguous()) for n, t in out]
 
 
 def run_trainer(conns: list[Any], tp_sizes: list[int], path: str, port: int, plan: list[dict[str, Any]],

@@ -44,9 +44,10 @@ class FusedMoE(nn.Module):
     the intermediate dimension. ``forward(x, topk_ids, topk_weights)`` → [T, H] in x's dtype (all-reduced)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup,
-                 dtype: torch.dtype, device: Any = None) -> None:
+                 dtype: torch.dtype, device: Any = None, fused: bool = False) -> None:
         super().__init__()
         self.tp = tp
+        self.fused = fused
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.i_local = _split(intermediate_size, tp, "moe intermediate size")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from rollout.device_copy import to_device
+from rollout.mem_cache.routed_experts import RoutedExpertsPool
 
 
 class KVPool:
@@ -30,6 +31,7 @@ class KVPool:
         shape = (num_slots + page_size, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.routed_experts: RoutedExpertsPool | None = None  # MoE routing per slot, when enabled
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -18,6 +18,7 @@ from rollout.layers.logits_processor import PromptLogprobs, prompt_logprobs
 from rollout.layers.sampler import Sampler, SamplerOutput
 from rollout.layers.sampling_info import SamplingBatchInfo, SamplingRow
 from rollout.mem_cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
+from rollout.mem_cache.routed_experts import RoutedExpertsPool
 from rollout.model_executor.forward_batch import ForwardBatch, ForwardMode
 from rollout.model_executor.memory_saver import create_memory_saver, unique_tensors
 from rollout.models.loader import build_model
@@ -118,6 +119,10 @@ class ModelRunner:
         with self.memory.region("kv_cache"):
             self.kv_pool = KVPool(self.num_slots, model_cfg.num_layers, attn.num_kv_heads, model_cfg.head_dim,
                                   self.kv_dtype, device, config.page_size)
+            if self.records_routing:
+                self.kv_pool.routed_experts = RoutedExpertsPool(
+                    self.num_slots + config.page_size, model_cfg.num_layers, model_cfg.sparse_layers,
+                    model_cfg.num_experts_per_tok, device)
             self.req_to_token = ReqToTokenPool(config.max_running_requests + 1, self.context_len + 1, device)
             # each request row's newest token, written by the sampler on the device: decode reads its inputs
             # here, so the next step can be launched before the previous one's tokens reach the host
@@ -152,12 +157,21 @@ class ModelRunner:
             everything, buffers = self._weight_tensors
             return everything, everything if keep_weights else buffers
         if tag == "kv_cache":
-            return self.kv_pool.k_buffers + self.kv_pool.v_buffers, []
+            routing = self.kv_pool.routed_experts
+            return self.kv_pool.k_buffers + self.kv_pool.v_buffers + ([routing.buffer] if routing else []), []
         return [], []
+
+    @property
+    def records_routing(self) -> bool:
+        """The KV pool keeps each token's routed experts (``enable_return_routed_experts`` on an MoE model)."""
+        return self.config.enable_return_routed_experts and self.model_cfg.is_moe
 
     def _kv_slots(self, kv_heads_local: int) -> int:
         per_token = KVPool.bytes_per_token(self.model_cfg.num_layers, kv_heads_local, self.model_cfg.head_dim,
                                            self.kv_dtype)
+        if self.records_routing:
+            per_token += RoutedExpertsPool.bytes_per_token(len(self.model_cfg.sparse_layers),
+                                                           self.model_cfg.num_experts_per_tok)
         if self.config.max_total_tokens is not None:
             slots = self.config.max_total_tokens
         elif self.device.type == "cuda":

@@ -93,8 +93,9 @@ class LlamaDecoderLayer(nn.Module):
                  dtype: torch.dtype, device: Any, fused: bool = False, quant: str | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, rotary, tp, dtype, device, fused, quant)
-        sparse = layer_id in cfg.sparse_layers
-        self.mlp = (SparseMoeBlock if sparse else LlamaMLP)(cfg, tp, dtype, device, fused, quant)
+        self.sparse = layer_id in cfg.sparse_layers
+        self.mlp = (SparseMoeBlock(cfg, layer_id, tp, dtype, device, fused, quant) if self.sparse
+                    else LlamaMLP(cfg, tp, dtype, device, fused, quant))
         # before fp8 projections the fused norms also quantize their output (no separate kernel)
         quantize = fused and quant == "fp8" and fused_quant_supports(cfg.hidden_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused, quantize)
@@ -108,7 +109,7 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(positions, h, batch)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return (self.mlp(h, batch) if self.sparse else self.mlp(h)), residual
 
 
 class LlamaModel(nn.Module):

@@ -13,6 +13,8 @@ Contract (page size P, SGLang's ``page_size``):
   whole tree is retired instead and a fresh one serves new requests. A retired tree's requests free
   their KV at release (none of it is shared), and the tree is dropped when its last request leaves.
 - ``evict`` (through ``ensure_free``) frees least recently used unlocked leaves first.
+- The routing of MoE models (``routed_experts``, when enabled) lives per slot beside the KV, so sharing a
+  prefix shares its routing; ``read_routed_experts`` reads a request's before ``release``.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ import torch
 
 from rollout.mem_cache.kv_pool import ReqToTokenPool, SlotAllocator
 from rollout.mem_cache.radix_cache import RadixCache, TreeNode
+from rollout.mem_cache.routed_experts import RoutedExpertsPool
 from rollout.scheduler.req import Req
 
 
 class KVCacheManager:
     def __init__(self, allocator: SlotAllocator, req_pool: ReqToTokenPool, page_size: int = 1,
-                 disable_radix_cache: bool = False) -> None:
+                 disable_radix_cache: bool = False, routed_experts: RoutedExpertsPool | None = None) -> None:
         self.allocator = allocator
+        self.routed_experts = routed_experts
         self.req_pool = req_pool
         self.page_size = page_size
         self.disabled = disable_radix_cache
@@ -117,6 +121,16 @@ class KVCacheManager:
         self.tree.inc_lock_ref(node)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node, req.prefix_len = node, len(shared)
+
+    def read_routed_experts(self, req: Req) -> None:
+        """Set ``req.routed_experts`` (when it asked for them) from the routing kept beside its KV: positions
+        [routed_experts_start_len, seq_len - 1), every one that went through the model. Call before
+        ``release``."""
+        if not req.sampling.return_routed_experts or self.routed_experts is None or req.pool_row is None:
+            return
+        end = min(req.seq_len - 1, req.kv_len)
+        slots = self.req_pool.slots(req.pool_row, end)[req.sampling.routed_experts_start_len:]
+        req.routed_experts = self.routed_experts.read(slots)
 
     def release(self, req: Req) -> None:
         """Return a request's KV: computed tokens go to the tree (or are freed), its row is freed."""

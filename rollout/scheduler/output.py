@@ -55,7 +55,8 @@ class OutputManager:
             top_logprobs=req.top_logprobs[start:end] if p.logprobs else None,
             ranks=req.ranks[start:end] if req.wants_logprobs else None,
             finished=req.finished, prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
-            completion_tokens=end, weight_version=weight_version, spec=spec, prompt_logprobs=prompt_lps)
+            completion_tokens=end, weight_version=weight_version, spec=spec, prompt_logprobs=prompt_lps,
+            routed_experts=req.routed_experts if req.finished is not None else None)
 
 
 class BackgroundTokenizer:

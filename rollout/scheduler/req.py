@@ -47,6 +47,7 @@ class Req:
         self.cached_tokens = 0
         self.cached_tokens_known = False
         self.finished: FinishReason | None = None
+        self.routed_experts: Any = None    # read from the KV pool's routing at finish (return_routed_experts)
         self.stop_tail_len = max((len(s) for s in self.sampling.stop), default=0)
 
     @property

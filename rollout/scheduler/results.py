@@ -61,8 +61,7 @@ class ResultProcessor:
             self.stats.gen_tokens += 1
             if req.finished is not None:
                 self.running.remove(req)
-                self.cache.release(req)
-                self.outputs.finish(req, req.finished)
+                self._finish(req, req.finished)
 
     def _prefill_done(self, req: Req) -> bool:
         """A request's prefill was read: cache its prompt and let it run; False when it wants no token (a
@@ -70,11 +69,16 @@ class ResultProcessor:
         self.prefill.drop(req)
         self.cache.cache_prefix(req)
         if req.max_output == 0:
-            self.cache.release(req)
-            self.outputs.finish(req, FinishReason("length"))
+            self._finish(req, FinishReason("length"))
             return False
         self.running.append(req)
         return True
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        """A request ended by a stop or its length: read its routing (if asked), give back its KV, send it."""
+        self.cache.read_routed_experts(req)
+        self.cache.release(req)
+        self.outputs.finish(req, reason)
 
 
 def _add_prompt_logprobs(lp_reqs: list[tuple[Req, int]], out: StepOutput) -> None:

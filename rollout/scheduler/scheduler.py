@@ -60,7 +60,7 @@ class Scheduler:
         self.tp = tp
         self.runner = ModelRunner(config, model_cfg, tp, device)
         self.cache = KVCacheManager(self.runner.allocator, self.runner.req_to_token, config.page_size,
-                                    config.disable_radix_cache)
+                                    config.disable_radix_cache, self.runner.kv_pool.routed_experts)
         self.outputs = OutputManager(send_output if tp.rank == 0 else None)
         self.stats = SchedulerStats(config.log_interval_s)
         self.prefill = PrefillManager(config, self.cache, self.outputs)
