@@ -61,3 +61,22 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+def routed_experts_to_base64(routed_experts: Any) -> str:
+    """SGLang's wire format of ``CompletionOutput.routed_experts``: the int32 values, little-endian, flattened
+    in (token, layer, slot) order, base64-encoded (``meta_info["routed_experts"]`` of ``/generate``)."""
+    import base64
+
+    import numpy as np
+
+    return base64.b64encode(np.ascontiguousarray(routed_experts, dtype="<i4").tobytes()).decode("ascii")
+
+
+def routed_experts_from_base64(payload: str, num_layers: int, top_k: int) -> Any:
+    """The int32 ndarray [tokens, num_layers, top_k] that ``routed_experts_to_base64`` encoded."""
+    import base64
+
+    import numpy as np
+
+    return np.frombuffer(base64.b64decode(payload), dtype="<i4").astype(np.int32).reshape(-1, num_layers, top_k)

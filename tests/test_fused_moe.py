@@ -43,10 +43,11 @@ def reference_moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     return down.view(t, -1, h).sum(dim=1).to(dt)
 
 
-@pytest.mark.parametrize("block_m", [1, 4, 16])
-def test_align_groups_every_pair_by_expert_in_padded_blocks(block_m):
+@pytest.mark.parametrize("block_m,num_experts", [(1, 9), (4, 200), (16, 9), (16, 200)])
+def test_align_groups_every_pair_by_expert_in_padded_blocks(block_m, num_experts):
+    """200 experts: the pairs are counted and scattered in several chunks (32 each)."""
     gen = torch.Generator().manual_seed(block_m)
-    t, top_k, num_experts = 33, 4, 9
+    t, top_k = 33, 4
     topk_ids = route(t, top_k, num_experts, gen).to(torch.int32)
     sorted_ids, expert_ids, num_post = (v.cpu() for v in moe_align_block_size(topk_ids.to(DEVICE), num_experts,
                                                                                 block_m))

@@ -174,3 +174,25 @@ def test_colocated_engine_sleeps_while_its_trainer_trains(cluster, path):
         for actor in (engine, trainer):
             ray.kill(actor)
         remove_placement_group(pg)
+
+
+def test_moe_engine_actor_syncs_from_fsdp2_and_returns_routed_experts(cluster, tiny_dir):
+    """A Qwen3-MoE engine actor: an FSDP2 trainer's fused expert tensors, gathered per bucket, land exactly
+    (fingerprint, greedy = transformers), and the actor returns routed experts in vLLM's shape."""
+    from test_moe import moe_path
+    from trainer_adapters import create_engines
+
+    path = moe_path(tiny_dir, "qwen3_moe")
+    (engine,) = create_engines(1, 1, path, seed=3, dtype="float32", enable_return_routed_experts=True,
+                               weight_sync_timeout=120)
+    try:
+        report = run_trainer("fsdp2", path, [engine], ["bucket"])
+        (step,) = report["steps"]
+        (eng,) = step["engines"]
+        assert eng["fp"] == step["trainer_fp"] and eng["greedy"] == step["hf_greedy"]
+        assert eng["max_dlogprob"] < 1e-4
+        (out,) = ray.get(engine.generate.remote([CHECK_PROMPTS[1]], {"max_tokens": 4, "ignore_eos": True,
+                                                                      "return_routed_experts": True}))
+        assert out.outputs[0].routed_experts.shape == (len(CHECK_PROMPTS[1]) + 4 - 1, 2, 2)
+    finally:
+        ray.get(engine.shutdown.remote(), timeout=60)

@@ -8,7 +8,8 @@
 with ``return_logprob``, ``output_token_logprobs`` (``[logprob, token_id, text or null]`` per token) and
 ``output_top_logprobs``; with ``logprob_start_len`` >= 0 also ``input_token_logprobs`` and
 ``input_top_logprobs`` for the prompt tokens from that position on, the first entry's logprob null (SGLang's
-shape). Streams send the cumulative state of one (prompt, sample) per event, as SGLang does. A prompt plus
+shape); with ``return_routed_experts`` (MoE models, SGLang's field) the final ``meta_info`` has
+``routed_experts`` (base64 int32, ``rollout.outputs.routed_experts_from_base64``) and ``routed_experts_start_len``. Streams send the cumulative state of one (prompt, sample) per event, as SGLang does. A prompt plus
 ``max_new_tokens`` longer than the context is a 400.
 """
 
@@ -20,7 +21,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from rollout.outputs import CompletionOutput, RequestOutput
+from rollout.outputs import CompletionOutput, RequestOutput, routed_experts_to_base64
 from rollout.server.errors import APIError
 from rollout.server.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
 from rollout.server.serving import GenJob, StreamJob, event_error, open_stream, request_ids, run_job, sampling_params
@@ -92,6 +93,8 @@ def _job(body: GenerateRequest) -> GenJob:
         raise APIError(400, "pass exactly one of 'text' and 'input_ids'", "text")
     if body.logprob_start_len != -1 and not body.return_logprob:
         raise APIError(400, "logprob_start_len needs return_logprob=true", "logprob_start_len")
+    if body.routed_experts_start_len and not body.return_routed_experts:
+        raise APIError(400, "routed_experts_start_len needs return_routed_experts=true", "routed_experts_start_len")
     texts = ids = None
     if body.text is not None:
         texts = [body.text] if isinstance(body.text, str) else list(body.text)
@@ -108,6 +111,8 @@ def _job(body: GenerateRequest) -> GenJob:
     params = []
     for values in raw:
         values = dict(values)
+        if body.return_routed_experts:  # request-level in SGLang; a sampling parameter here
+            values.update(return_routed_experts=True, routed_experts_start_len=body.routed_experts_start_len)
         if body.return_logprob:
             values["logprobs"] = body.top_logprobs_num
             if body.logprob_start_len >= 0:
@@ -140,6 +145,9 @@ class _GenerateView:
             "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(c.token_ids),
             "cached_tokens": out.num_cached_tokens, "weight_version": out.weight_version,
             "e2e_latency": time.monotonic() - self.job.started}
+        if c.routed_experts is not None:
+            meta["routed_experts"] = routed_experts_to_base64(c.routed_experts)
+            meta["routed_experts_start_len"] = self.body.routed_experts_start_len
         if self.body.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, self._text(t)] for lp, t in zip(c.token_logprobs or [],
                                                                                     c.token_ids)]
@@ -165,6 +173,7 @@ class _GenerateView:
             acc.token_logprobs += c.token_logprobs or []
             acc.logprobs += c.logprobs or []
             acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
+            acc.routed_experts = c.routed_experts
             index = self.index[chunk.request_id] * self.n[chunk.request_id] + c.index
             events.append(self.item(chunk, acc, index))
         return events

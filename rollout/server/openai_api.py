@@ -31,7 +31,7 @@ router = APIRouter()
 _SAMPLING_FIELDS = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
                     "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                     "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-                    "logprobs_mode")
+                    "logprobs_mode", "return_routed_experts", "routed_experts_start_len")
 
 
 def _state(request: Request) -> ServerState:

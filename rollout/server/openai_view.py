@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rollout.outputs import CompletionOutput, RequestOutput
+from rollout.outputs import CompletionOutput, RequestOutput, routed_experts_to_base64
 from rollout.server.protocol import OpenAICommon
 from rollout.server.serving import GenJob
 from rollout.server.state import ServerState
@@ -96,6 +96,8 @@ class OpenAIView:
             choice["logprobs"] = self._completion_logprobs(index, c, echo) if self.logprobs is not None else None
         choice["finish_reason"] = c.finish_reason
         choice["stop_reason"] = c.stop_reason
+        if c.routed_experts is not None:  # SGLang's encoding (rollout.outputs.routed_experts_from_base64)
+            choice["routed_experts"] = routed_experts_to_base64(c.routed_experts)
         if self.token_ids:
             choice["token_ids"] = c.token_ids
             if index not in self.prompt_sent:

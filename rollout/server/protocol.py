@@ -41,6 +41,8 @@ class SamplingExtras(Body):
     logprobs_mode: Literal["raw", "processed"] | None = None
     request_id: str | None = None
     return_token_ids: bool = False
+    return_routed_experts: bool | None = None       # SGLang's extra field (MoE routing replay)
+    routed_experts_start_len: int | None = Field(default=None, ge=0)
 
 
 class OpenAICommon(SamplingExtras):
@@ -115,6 +117,8 @@ class GenerateRequest(Body):
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     logprob_start_len: int = Field(default=-1, ge=-1)
     return_text_in_logprobs: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = Field(default=0, ge=0)
     stream: bool = False
     rid: str | list[str] | None = None
 

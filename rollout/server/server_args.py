@@ -63,6 +63,7 @@ class ServerArgs:
     disable_radix_cache: bool = False
     keep_weight_copy: bool = False
     enable_memory_saver: bool = False
+    enable_return_routed_experts: bool = False
     log_level: str = "info"
     log_interval: float | None = None
     log_requests: bool = False
@@ -98,6 +99,8 @@ class ServerArgs:
             kwargs["keep_weight_copy"] = True
         if self.enable_memory_saver:
             kwargs["enable_memory_saver"] = True
+        if self.enable_return_routed_experts:
+            kwargs["enable_return_routed_experts"] = True
         kwargs["log_level"] = "INFO" if self.log_level in ("debug", "info") else self.log_level.upper()
         return kwargs
 
@@ -153,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-weight-copy", action="store_true", help="enable /rollback_weights")
     p.add_argument("--enable-memory-saver", action="store_true",
                    help="enable /release_memory_occupation, /sleep and their resume calls (colocated training)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="MoE models: requests may ask for the experts each token was routed to (routing replay)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-interval", type=float, default=None, help="seconds between scheduler log lines")
     p.add_argument("--log-requests", action="store_true", help="log every HTTP request (uvicorn access log)")
