@@ -43,6 +43,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     src.add_argument("--preset", choices=PRESET_NAMES, default=None,
                      help="benchmark a random-weight checkpoint with this model's real shapes")
     p.add_argument("--preset-dir", default=None, help="where presets are cached (default <cache>/presets)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights drawn by the engine itself (vLLM's name; a preset then writes "
+                        "only its config and tokenizer)")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=1024)
@@ -86,11 +89,13 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("need 1 <= --min-len <= --max-len")
     if args.temperature < 0 or args.batch1_steps < 0:
         p.error("--temperature and --batch1-steps must be >= 0")
+    if args.load_format == "dummy" and (args.hf_baseline or not args.preset):
+        p.error("--load-format dummy needs --preset and no --hf-baseline (transformers would load other weights)")
 
 
 def _resolve_model(args: argparse.Namespace) -> str:
     if args.preset:
-        return write_preset(args.preset, args.preset_dir, seed=0)
+        return write_preset(args.preset, args.preset_dir, seed=0, weights=args.load_format != "dummy")
     if args.model:
         return args.model
     from rollout.default_model import ensure_default_model

@@ -49,7 +49,8 @@ def _timing(batch_size: int, entry: dict[str, Any]) -> StepTiming:
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine keyword options from the flags; presets skip the tokenizer (no detokenizer process)."""
-    opts: dict[str, Any] = {"seed": args.seed, "skip_tokenizer_init": bool(args.preset)}
+    opts: dict[str, Any] = {"seed": args.seed, "skip_tokenizer_init": bool(args.preset),
+                            "load_format": getattr(args, "load_format", "auto")}
     for name in ("max_running_requests", "mem_fraction_static", "attention_backend", "decode_attention_backend",
                  "kv_cache_dtype", "quantization", "page_size"):
         if getattr(args, name) is not None:

@@ -11,18 +11,37 @@ from rollout.config import ModelConfig
 
 @dataclass(frozen=True)
 class ModelBytes:
-    """Bytes on one TP rank: all weights, the weights one decode step reads, and KV bytes per token."""
+    """Bytes on one TP rank: all weights, the weights every decode step reads, and KV bytes per token.
+    Mixture-of-experts models: ``expert_bytes`` is one expert of one sparse layer (its gate, up and down
+    shards); a step reads the experts its tokens are routed to (``expected_experts``), on top of
+    ``weight_bytes_read``."""
 
     weight_bytes: int
     weight_bytes_read: int
     kv_bytes_per_token: int
+    expert_bytes: int = 0
+    sparse_layers: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+
+    def expected_experts(self, batch_size: int) -> float:
+        """Distinct experts a step of ``batch_size`` tokens reads per sparse layer when each token picks
+        ``top_k`` distinct experts uniformly (random-weight routers are near uniform): E·(1 − (1 − k/E)^B)."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** batch_size)
+
+    def bytes_read(self, batch_size: int) -> float:
+        """Weight bytes one decode step of ``batch_size`` requests reads."""
+        return self.weight_bytes_read + self.sparse_layers * self.expert_bytes * self.expected_experts(batch_size)
 
 
 def model_bytes(cfg: ModelConfig, tp_size: int, elem_bytes: int, kv_elem_bytes: int | None = None,
                 quantization: str | None = None) -> ModelBytes:
     """Count from the config, sharded as the engine shards: heads, MLP columns and vocabulary rows are
     split across ranks; norms are replicated; KV heads are replicated when ``tp_size > num_kv_heads``.
-    A decode step reads every weight except an untied input-embedding table (only the batch's rows).
+    A decode step reads every weight except an untied input-embedding table (only the batch's rows), and
+    of a sparse layer's experts only the routed ones (``ModelBytes.bytes_read``).
     KV entries take ``kv_elem_bytes`` each (default: ``elem_bytes``, the model dtype). Under
     ``quantization="fp8"`` the projections take 1 byte per element plus a float32 scale per local row."""
     heads = cfg.num_heads // tp_size
@@ -35,10 +54,14 @@ def model_bytes(cfg: ModelConfig, tp_size: int, elem_bytes: int, kv_elem_bytes: 
     proj_rows = qkv_out + h + 2 * mlp + h
     proj_bytes = proj + 4 * proj_rows if quantization == "fp8" else proj * elem_bytes
     other = 2 * h + (qkv_out if cfg.qkv_bias else 0) + (2 * d if cfg.qk_norm else 0)  # norms, biases
+    sparse = len(cfg.sparse_layers)
     read = cfg.num_layers * (proj_bytes + other * elem_bytes) + (h + vocab_rows * h) * elem_bytes  # + final norm, LM head
-    stored = read + (0 if cfg.tie_word_embeddings else vocab_rows * h * elem_bytes)
+    if sparse:  # a sparse layer has a router [E, H] instead of the dense MLP; its experts are counted apart
+        read += sparse * (cfg.num_experts * h * elem_bytes - 3 * h * mlp * elem_bytes)
+    expert = 3 * h * (cfg.moe_intermediate_size // tp_size) * elem_bytes
+    stored = read + (0 if cfg.tie_word_embeddings else vocab_rows * h * elem_bytes) + sparse * cfg.num_experts * expert
     kv = 2 * cfg.num_layers * kv_heads * d * (kv_elem_bytes or elem_bytes)
-    return ModelBytes(stored, read, kv)
+    return ModelBytes(stored, read, kv, expert if sparse else 0, sparse, cfg.num_experts, cfg.num_experts_per_tok)
 
 
 def measure_copy_bandwidth(device: str, nbytes: int | None = None, repeats: int = 10) -> float:
@@ -76,6 +99,7 @@ def _time_copy(dst, src, cuda: bool) -> float:
     return begin.elapsed_time(end) / 1000.0
 
 
-def floor_ms(mb: ModelBytes, kv_tokens: float, bandwidth: float) -> float:
-    """Memory-bandwidth floor of one decode step in ms: (weights read + KV read) / copy bandwidth."""
-    return 1000.0 * (mb.weight_bytes_read + kv_tokens * mb.kv_bytes_per_token) / bandwidth
+def floor_ms(mb: ModelBytes, kv_tokens: float, bandwidth: float, batch_size: int = 1) -> float:
+    """Memory-bandwidth floor of one decode step of ``batch_size`` requests in ms: (weights read + KV read)
+    / copy bandwidth."""
+    return 1000.0 * (mb.bytes_read(batch_size) + kv_tokens * mb.kv_bytes_per_token) / bandwidth

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 MAX_SHARD_BYTES = 2 * 1024**3
-PRESET_NAMES = ("tiny", "qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b")
+PRESET_NAMES = ("tiny", "qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b", "qwen3-8b", "tiny-moe", "qwen3-30b-a3b",
+                "qwen3-30b-a3b-4l")
 _PRESET_MARKER = "rollout_preset.json"
 _INIT_STD = 0.02
 
@@ -46,6 +47,16 @@ def _qwen3(hidden: int, inter: int, layers: int, heads: int, kv: int, tie: bool)
             "torch_dtype": "bfloat16", "use_cache": True}
 
 
+def _qwen3_moe(hidden: int, inter: int, moe_inter: int, layers: int, heads: int, kv: int, experts: int, top_k: int,
+               vocab: int = 151936) -> dict[str, Any]:
+    config = _qwen3(hidden, inter, layers, heads, kv, False)
+    config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=vocab,
+                  moe_intermediate_size=moe_inter, num_experts=experts, num_experts_per_tok=top_k,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+                  output_router_logits=False)
+    return config
+
+
 def preset_config(name: str) -> dict[str, Any]:
     """The config.json dict of preset ``name`` (a fresh dict each call): the real model's shapes and rope
     settings (values of the Hugging Face hub configs), or a few-MB Llama for ``tiny``."""
@@ -57,6 +68,9 @@ def preset_config(name: str) -> dict[str, Any]:
                                        _llama3_rope_scaling(32.0)),
         "llama-3.1-8b": lambda: _llama(128256, 4096, 14336, 32, 32, 8, 128, 500000.0, 131072, False, 1e-5,
                                        _llama3_rope_scaling(8.0)),
+        "tiny-moe": lambda: _qwen3_moe(128, 256, 64, 2, 4, 2, 8, 2, vocab=1024),
+        "qwen3-30b-a3b": lambda: _qwen3_moe(2048, 6144, 768, 48, 32, 4, 128, 8),
+        "qwen3-30b-a3b-4l": lambda: _qwen3_moe(2048, 6144, 768, 4, 32, 4, 128, 8),  # the logits check's
     }
     if name not in builders:
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESET_NAMES)}")
@@ -65,7 +79,9 @@ def preset_config(name: str) -> dict[str, Any]:
 
 def preset_param_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     """(HF parameter name, shape) of every tensor a checkpoint of ``config`` stores, in model order; built
-    on the ``meta`` device, so nothing is allocated. A tied LM head is not listed (it is the embedding)."""
+    on the ``meta`` device, so nothing is allocated. A tied LM head is not listed (it is the embedding).
+    Mixture-of-experts tensors are listed per expert, as checkpoints store them (transformers 5's fused
+    ``gate_up_proj`` / ``down_proj`` are split)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -73,10 +89,24 @@ def preset_param_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...
     hf_config = AutoConfig.for_model(config["model_type"], **extra)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    specs = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    specs = [spec for n, p in model.named_parameters() for spec in _per_expert(config["architectures"][0], n,
+                                                                                 tuple(p.shape))]
     if config.get("tie_word_embeddings"):
         specs = [(n, s) for n, s in specs if n != "lm_head.weight"]
     return specs
+
+
+def _per_expert(architecture: str, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    from rollout.weights.expert_names import ExpertParam, checkpoint_name, parse
+
+    p = parse(name)
+    if p is None or p.expert is not None or p.proj == "router":
+        return [(name, shape)]
+    experts, rows, cols = shape
+    if p.proj == "down":
+        return [(checkpoint_name(architecture, ExpertParam(p.layer, "down", e)), (rows, cols)) for e in range(experts)]
+    return [(checkpoint_name(architecture, ExpertParam(p.layer, proj, e)), (rows // 2, cols))
+            for e in range(experts) for proj in ("gate", "up")]
 
 
 def shard_plan(specs: Sequence[tuple[str, tuple[int, ...]]], bytes_per_elem: int,
@@ -150,33 +180,39 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<t0>").save_pretrained(str(out))
 
 
-def _preset_complete(path: Path, name: str, seed: int) -> bool:
-    marker = path / _PRESET_MARKER
-    if not marker.is_file():
-        return False
-    return json.loads(marker.read_text()) == {"preset": name, "seed": seed}
+def _marker(name: str, seed: int, weights: bool) -> dict[str, Any]:
+    return {"preset": name, "seed": seed} if weights else {"preset": name, "weights": False}
+
+
+def _preset_complete(path: Path, marker: dict[str, Any]) -> bool:
+    file = path / _PRESET_MARKER
+    return file.is_file() and json.loads(file.read_text()) == marker
 
 
 def write_preset(name: str, root: str | os.PathLike[str] | None = None, seed: int = 0,
-                 max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
+                 max_shard_bytes: int = MAX_SHARD_BYTES, weights: bool = True) -> str:
     """Return the directory of preset ``name``'s random checkpoint under ``root`` (default
     ``<cache_root>/presets``), writing it first if absent. It is written into a temporary directory and
-    renamed into place, so an existing directory with its marker file is always complete."""
+    renamed into place, so an existing directory with its marker file is always complete.
+    ``weights=False`` writes the config and tokenizer only (``NAME-config``), for an engine started with
+    ``load_format="dummy"`` (a 30B model's 61 GB need not touch the disk)."""
     from rollout.default_model import cache_root
 
     config = preset_config(name)
     base = Path(root).expanduser() if root is not None else cache_root() / "presets"
-    final = base / name
-    if _preset_complete(final, name, seed):
+    final = base / (name if weights else f"{name}-config")
+    marker = _marker(name, seed, weights)
+    if _preset_complete(final, marker):
         return str(final)
     base.mkdir(parents=True, exist_ok=True)
     tmp = base / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        _write_weights(tmp, preset_param_specs(config), seed, max_shard_bytes)
+        if weights:
+            _write_weights(tmp, preset_param_specs(config), seed, max_shard_bytes)
         _write_tokenizer(tmp, config["vocab_size"])
-        (tmp / _PRESET_MARKER).write_text(json.dumps({"preset": name, "seed": seed}) + "\n")
+        (tmp / _PRESET_MARKER).write_text(json.dumps(marker) + "\n")
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)

@@ -17,9 +17,10 @@ from benchmarks.workload import RunResult, Workload
 def _step_report(timing: StepTiming | None, mb: ModelBytes, bandwidth: float) -> dict[str, Any] | None:
     if timing is None:
         return None
-    floor = floor_ms(mb, timing.mean_kv_tokens, bandwidth)
+    floor = floor_ms(mb, timing.mean_kv_tokens, bandwidth, timing.batch_size)
     return {**asdict(timing), "floor_ms": floor, "step_over_floor": timing.mean_step_ms / floor,
-            "kv_bytes_read": timing.mean_kv_tokens * mb.kv_bytes_per_token}
+            "kv_bytes_read": timing.mean_kv_tokens * mb.kv_bytes_per_token,
+            "weight_bytes_read": mb.bytes_read(timing.batch_size), "experts_read": mb.expected_experts(timing.batch_size)}
 
 
 def _device_name(device: str) -> str:
@@ -89,7 +90,7 @@ def format_report(r: dict[str, Any]) -> str:
                      f"output; hf counts only each prompt's requested output tokens)")
     m = r["memory"]
     lines.append(f"copy bandwidth {m['copy_bandwidth_gb_s']:.1f} GB/s (read+write); weights read per step "
-                 f"{m['weight_bytes_read'] / 1e6:.1f} MB of {m['weight_bytes'] / 1e6:.1f} MB per rank; "
+                 f"{m['weight_bytes_read'] / 1e6:.1f} MB{' + routed experts' if m['num_experts'] else ''} of {m['weight_bytes'] / 1e6:.1f} MB per rank; "
                  f"KV {m['kv_bytes_per_token']} B/token/rank")
     lines.append(f"KV cache {m['kv_cache_tokens']} tokens ({m['kv_cache_gib']:.1f} GiB per rank)")
     pre = r.get("prefill") or {}
@@ -101,5 +102,7 @@ def format_report(r: dict[str, Any]) -> str:
         if s is not None:
             lines.append(f"decode step (batch {s['batch_size']}, {s['steps']} steps, mean KV {s['mean_kv_tokens']:.0f}"
                          f" tokens): {s['mean_step_ms']:.2f} ms; bandwidth floor {s['floor_ms']:.2f} ms; "
-                         f"step/floor {s['step_over_floor']:.2f}")
+                         f"step/floor {s['step_over_floor']:.2f}"
+                         + (f"; experts read per layer {s['experts_read']:.1f} of {m['num_experts']}, weights read "
+                            f"{s['weight_bytes_read'] / 1e6:.1f} MB" if m["num_experts"] else ""))
     return "\n".join(lines)

@@ -17,7 +17,7 @@ from rollout.config import ModelConfig
 
 # Parameter counts of the real models (tied LM heads counted once).
 REAL_PARAMS = {"qwen3-0.6b": 596_049_920, "llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248,
-               "qwen3-8b": 8_190_735_360}
+               "qwen3-8b": 8_190_735_360, "qwen3-30b-a3b": 30_532_122_624}
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,10 @@ def test_preset_facts():
     qwen = ModelConfig.from_dict(preset_config("qwen3-8b"))
     assert qwen.qk_norm and not qwen.tie_word_embeddings and qwen.head_dim == 128
     assert ModelConfig.from_dict(preset_config("qwen3-0.6b")).tie_word_embeddings
-    assert set(PRESET_NAMES) == set(REAL_PARAMS) | {"tiny"}
+    assert set(PRESET_NAMES) == set(REAL_PARAMS) | {"tiny", "tiny-moe", "qwen3-30b-a3b-4l"}
+    moe = ModelConfig.from_dict(preset_config("qwen3-30b-a3b"))
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size, moe.norm_topk_prob) == (128, 8, 768, True)
+    assert moe.sparse_layers == tuple(range(48)) and moe.qk_norm
     with pytest.raises(ValueError, match="unknown preset"):
         preset_config("gpt-5")
 
@@ -120,6 +123,19 @@ def test_model_bytes_tp_sharding():
     assert one.weight_bytes - one.weight_bytes_read == 2 * 128256 * 4096  # untied input embedding not read
     assert two.weight_bytes_read < one.weight_bytes_read / 2 + 2 * 4096 * 65  # only norms are replicated
     assert model_bytes(cfg, 16, 2).kv_bytes_per_token == 2 * 32 * 1 * 128 * 2  # KV heads replicated
+
+
+def test_model_bytes_moe_counts_the_routed_experts():
+    """A decode step reads attention, routers, norms and LM head always, and each routed expert once."""
+    cfg = ModelConfig.from_dict(preset_config("qwen3-30b-a3b"))
+    mb = model_bytes(cfg, 1, 2)
+    assert mb.weight_bytes == 2 * REAL_PARAMS["qwen3-30b-a3b"]
+    assert mb.expert_bytes == 2 * 3 * 2048 * 768 and mb.sparse_layers == 48
+    attention = 48 * (2048 * (4096 + 2 * 512) + 4096 * 2048) * 2
+    assert mb.weight_bytes_read == attention + 48 * (128 * 2048 + 2 * 2048 + 2 * 128) * 2 + (2048 + 151936 * 2048) * 2
+    assert mb.expected_experts(1) == pytest.approx(8) and mb.expected_experts(256) == pytest.approx(128, abs=1e-3)
+    assert mb.bytes_read(1) == pytest.approx(mb.weight_bytes_read + 48 * 8 * mb.expert_bytes)
+    assert model_bytes(cfg, 2, 2).expert_bytes == mb.expert_bytes // 2
 
 
 def test_model_bytes_fp8_weights():
@@ -156,6 +172,24 @@ def test_write_preset_tiny_loads_and_is_reused(preset_root, tmp_path):
     a = AutoModelForCausalLM.from_pretrained(path).state_dict()
     b = AutoModelForCausalLM.from_pretrained(sharded).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_moe_preset_stores_experts_per_expert_and_dummy_presets_store_no_weights(tmp_path):
+    """A checkpoint's per-expert tensors (as the hub's Qwen3-MoE checkpoints), which transformers loads into
+    its fused experts; ``weights=False`` writes the config and tokenizer only."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    path = write_preset("tiny-moe", tmp_path)
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        gate = f.get_tensor("model.layers.1.mlp.experts.7.gate_proj.weight")
+        assert "model.layers.1.mlp.gate.weight" in f.keys()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert torch.equal(model.model.layers[1].mlp.experts.gate_up_proj[7, :64], gate.float())
+    config_only = write_preset("tiny-moe", tmp_path, weights=False)
+    assert config_only != path and not [n for n in os.listdir(config_only) if n.endswith(".safetensors")]
+    assert ModelConfig.from_path(config_only).num_experts == 8
 
 
 def test_steady_step_picks_most_steps():
