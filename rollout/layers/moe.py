@@ -11,9 +11,9 @@ int for one expert's Hugging Face tensor ([I, H] for gate and up, [H, I] for dow
 projection of every expert in transformers 5's fused tensors (the gate or up half of ``gate_up_proj``
 [E, 2I, H], loaded as two shards, or ``down_proj`` [E, H, I]).
 
-The forward here is torch-native and computes what transformers' eager experts compute (per expert, its
-tokens' SiLU(gate)·up then down, scaled by the routing weight and added in expert order);
-``FusedMoE.experts`` is the seam a fused GPU kernel replaces.
+The CPU forward is torch-native and computes what transformers' eager experts compute (per expert, its
+tokens' SiLU(gate)·up then down, scaled by the routing weight and added in expert order); on CUDA
+(``fused``) ``FusedMoE.experts`` runs the Triton kernel of ``rollout.kernels.fused_moe``.
 """
 
 from __future__ import annotations
@@ -85,8 +85,14 @@ class FusedMoE(nn.Module):
         return self.tp.all_reduce(self.experts(x, topk_ids, topk_weights))
 
     def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum [T, H] (before the all-reduce): the torch-native loop over the experts that
-        any token picked, in expert order (transformers' eager order, so float sums match)."""
+        """This rank's partial sum [T, H] (before the all-reduce). ``fused`` (CUDA): the Triton grouped-GEMM
+        kernel (``rollout.kernels.fused_moe``; no host synchronization, so CUDA graphs capture it); else the
+        torch-native loop over the experts that any token picked, in expert order (transformers' eager order,
+        so float sums match)."""
+        if self.fused:
+            from rollout.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         out = torch.zeros_like(x)
         hit = torch.zeros(self.num_experts, dtype=torch.bool, device=x.device)
         hit[topk_ids.flatten()] = True
