@@ -54,11 +54,11 @@ def _trainer_tensors(model_path: str, device: str, dtype: Any) -> list[tuple[str
     import torch
 
     from rollout.config import ModelConfig
-    from rollout.weights.weight_map import expected_hf_shapes
+    from rollout.weights.weight_map import trainer_hf_shapes
 
     gen = torch.Generator(device=device).manual_seed(0)
     return [(n, (torch.randn(s, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype))
-            for n, s in expected_hf_shapes(ModelConfig.from_path(model_path)).items()]
+            for n, s in trainer_hf_shapes(ModelConfig.from_path(model_path)).items()]
 
 
 def _sync() -> None:

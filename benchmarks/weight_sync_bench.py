@@ -66,7 +66,7 @@ def _bench(args: argparse.Namespace, model_path: str, device: str, backend: str,
 
     import weight_sync
     from rollout.config import ModelConfig
-    from rollout.weights.weight_map import expected_hf_shapes
+    from rollout.weights.weight_map import trainer_hf_shapes
     from weight_sync.remote import RemoteEngine
 
     engine = RemoteEngine(conn)
@@ -75,7 +75,7 @@ def _bench(args: argparse.Namespace, model_path: str, device: str, backend: str,
         torch.cuda.set_device(device)
     gen = torch.Generator(device=device).manual_seed(0)
     named = [(n, torch.randn(s, generator=gen, device=device, dtype=torch.float32).to(dtype) * 0.02)
-             for n, s in expected_hf_shapes(ModelConfig.from_path(model_path)).items()]
+             for n, s in trainer_hf_shapes(ModelConfig.from_path(model_path)).items()]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     bucket = int(args.bucket_mb * (1 << 20))
     world = 1 + args.tp_size

@@ -205,3 +205,16 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
+
+
+@pytest.mark.parametrize("colocated", [None, "tensor"])
+def test_weight_sync_bench_pushes_an_moe_preset_exactly(colocated, capsys):
+    """The weight-sync bench on the MoE preset (transformers 5's fused expert tensors, as a trainer holds
+    them): broadcast buckets over gloo, or the colocated push; exit 0 only when the fingerprints agree."""
+    from benchmarks.weight_sync_bench import main
+
+    argv = ["--preset", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--repeats", "1"]
+    assert main(argv + (["--colocated", colocated] if colocated else ["--skip-per-tensor"])) == 0
+    out = capsys.readouterr().out
+    assert "fingerprints equal after the" in out and "True" in out.split("fingerprints equal")[-1]
+    assert ("25 tensors" if colocated is None else "colocated push (tensor): 25 tensors") in out

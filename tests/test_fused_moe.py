@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import rollout.kernels.fused_moe as fused_moe_module  # noqa: E402
 from rollout.kernels.fused_moe import MoeLaunch, fused_moe, max_padded_len, moe_align_block_size  # noqa: E402
 
 TINY = MoeLaunch(block_m=16, block_n=16, block_k=16, group_m=1, num_warps=1, num_stages=1)
@@ -43,9 +44,12 @@ def reference_moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     return down.view(t, -1, h).sum(dim=1).to(dt)
 
 
-@pytest.mark.parametrize("block_m,num_experts", [(1, 9), (4, 200), (16, 9), (16, 200)])
-def test_align_groups_every_pair_by_expert_in_padded_blocks(block_m, num_experts):
-    """200 experts: the pairs are counted and scattered in several chunks (32 each)."""
+@pytest.mark.parametrize("block_m,num_experts,programs", [(1, 9, 128), (4, 200, 128), (16, 9, 128), (16, 200, 2),
+                                                           (4, 200, 1)])
+def test_align_groups_every_pair_by_expert_in_padded_blocks(block_m, num_experts, programs, monkeypatch):
+    """200 experts: the pairs are counted and scattered in tiles of 32 rows, five programs of one tile, two of
+    three or one of five."""
+    monkeypatch.setattr(fused_moe_module, "ALIGN_MAX_PROGRAMS", programs)
     gen = torch.Generator().manual_seed(block_m)
     t, top_k = 33, 4
     topk_ids = route(t, top_k, num_experts, gen).to(torch.int32)
@@ -75,7 +79,8 @@ def test_align_groups_every_pair_by_expert_in_padded_blocks(block_m, num_experts
                                                   (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("t", [1, 5, 33])
 @pytest.mark.parametrize("top_k", [1, 2, 4])
-@pytest.mark.parametrize("launch", [TINY, MoeLaunch(16, 32, 32, 2, 1, 1)], ids=["tiny", "grouped"])
+@pytest.mark.parametrize("launch", [TINY, (MoeLaunch(16, 32, 32, 2, 1, 1), MoeLaunch(16, 16, 32, 1, 1, 2))],
+                         ids=["tiny", "grouped-pair"])
 def test_fused_moe_matches_the_per_expert_loop(dtype, weights_dtype, t, top_k, launch):
     gen = torch.Generator().manual_seed(t * 10 + top_k)
     num_experts, h, inter = 8, 40, 24
@@ -106,6 +111,9 @@ def test_fused_moe_writes_in_place_and_takes_the_empty_batch():
     got = fused_moe(xd, w13.to(DEVICE), w2.to(DEVICE), topk_weights.to(DEVICE), topk_ids.to(DEVICE), xd, TINY)
     assert got is xd
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one block_m"):
+        fused_moe(xd, w13.to(DEVICE), w2.to(DEVICE), topk_weights.to(DEVICE), topk_ids.to(DEVICE),
+                  launch=(TINY, MoeLaunch(block_m=32)))
     empty = fused_moe(xd[:0], w13.to(DEVICE), w2.to(DEVICE), topk_weights[:0].to(DEVICE), topk_ids[:0].to(DEVICE))
     assert empty.shape == (0, 40)
 

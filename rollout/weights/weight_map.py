@@ -78,6 +78,16 @@ def expert_aliases(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[s
     return out
 
 
+def trainer_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The parameters a transformers 5 model of ``cfg`` names (its ``named_parameters``): ``expected_hf_shapes``
+    with each sparse layer's per-expert tensors replaced by the fused ``gate_up_proj`` / ``down_proj``."""
+    fused = {name: alias for name, alias in expert_aliases(cfg).items() if expert_names.parse(name).proj != "router"}
+    covered = {n for shape, names in fused.values() for n in names}
+    out = {n: s for n, s in expected_hf_shapes(cfg).items() if n not in covered}
+    out.update({name: shape for name, (shape, _) in fused.items()})
+    return out
+
+
 class HFWeightMap:
     """Resolves HF names against a model built from ``rollout.models``."""
 
