@@ -21,6 +21,9 @@
 #   bash gpu_checks/run_gpu.sh tp2       # 2 GPUs: TP=2 vs TP=1 logits, TP=2 8B throughput
 #   bash gpu_checks/run_gpu.sh actor     # 2 GPUs: the engine actor's NCCL and CUDA IPC weight paths
 #   bash gpu_checks/run_gpu.sh colocation  # sleep/wake, IPC lifetime, same-GPU push (8B shape), colocated example
+#   bash gpu_checks/run_gpu.sh moe       # fused MoE kernel: tests, timings vs its floor; Qwen3-30B-A3B shape (4 layers) logits vs HF
+#   bash gpu_checks/run_gpu.sh moe-bench # Qwen3-30B-A3B shape (dummy weights): 256 x 1000 in / 1000 out, batch-1 step
+#   bash gpu_checks/run_gpu.sh moe-sync  # Qwen3-30B-A3B shape: same-GPU push of the trainer's fused expert tensors
 set -uo pipefail
 out=${OUT:-gpu_out}
 mkdir -p "$out"
@@ -107,5 +110,15 @@ num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, initializer_
     step push-colocated-8b 120 python -m weight_sync.bench --preset llama-3.1-8b --colocated tensor --repeats 8
     step push-colocated-fsdp2-8b 100 python -m weight_sync.bench --preset llama-3.1-8b --colocated fsdp2 --repeats 3
     step colocated-grpo-8b 120 python examples/colocated_grpo.py --preset llama-3.1-8b --device cuda --steps 5 ;;
+  moe)
+    step fused-moe-tests 240 python -m pytest -q -p no:cacheprovider tests/test_fused_moe.py
+    step fused-moe-kernel 240 python tools/bench_fused_moe.py
+    step preset-moe-4l 200 python -c "from benchmarks.presets import write_preset; print(write_preset('qwen3-30b-a3b-4l'))"
+    step logits-moe 300 python gpu_checks/check_logits.py --preset qwen3-30b-a3b-4l --num-seqs 32 --tp-sizes 1 ;;
+  moe-bench)
+    step bench-moe 570 python -m rollout.bench --preset qwen3-30b-a3b --load-format dummy --num-prompts 256 \
+      --input-len 1000 --output-len 1000 --batch1-steps 64 --json "$out/bench-qwen3-30b-a3b.json" ;;
+  moe-sync)
+    step push-colocated-moe 300 python -m weight_sync.bench --preset qwen3-30b-a3b --colocated tensor --repeats 4 ;;
   *) echo "unknown stage $1"; exit 2 ;;
 esac
