@@ -46,3 +46,13 @@ def test_malformed_expert_names_are_refused_and_nothing_changes(tiny_dir):
             engine.update_weights_from_tensor([("model.layers.1.mlp.experts.gate_up_proj", torch.zeros(8, 48, 64))])
         assert engine.weights_fingerprint() == fp0
         assert engine.get_weight_state()["state"] == "consistent"
+
+
+@pytest.mark.parametrize("variant,mode,tp", [("qwen3_moe", "bucket", 2), ("mixtral", "per-tensor", 1)])
+def test_rollout_smoke_passes_on_moe_checkpoints(variant, mode, tp, tiny_dir, capsys):
+    """The smoke CLI (rollout, a real training step, the push, every check against transformers) on MoE."""
+    from weight_sync.smoke import main
+
+    assert main(["--model", moe_path(tiny_dir, variant), "--mode", mode, "--tp-size", str(tp)]) == 0
+    out = capsys.readouterr().out
+    assert "OK: all checks passed" in out and ("MixtralForCausalLM" if variant == "mixtral" else "Qwen3MoeForCausalLM") in out
