@@ -190,6 +190,11 @@ class EngineConfig:
     ``enable_return_routed_experts`` (vLLM's and SGLang's name; mixture-of-experts models) keeps the experts
     each token was routed to beside its KV (``rollout.mem_cache.routed_experts``), so requests may ask for
     them (``SamplingParams.return_routed_experts``) for rollout routing replay.
+    ``update_weights_in_flight`` (partial rollouts, as PipelineRL and AReaL run them): a weight update is
+    applied at the next step boundary instead of waiting for every request in flight to finish; running
+    requests pause while the update session is open and then continue on the new weights, keeping the KV
+    their earlier tokens computed with the older weights. ``CompletionOutput.token_weight_versions`` says
+    which weights sampled each token. Off by default: updates wait for the requests in flight (drain).
     """
 
     model_path: str
@@ -225,6 +230,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     enable_memory_saver: bool = False
     enable_return_routed_experts: bool = False
+    update_weights_in_flight: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

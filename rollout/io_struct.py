@@ -41,8 +41,9 @@ class ReadOnlyReq(ControlReq):
 
 
 class ExclusiveReq(ControlReq):
-    """A control call that runs only when no request is in flight (or generation is paused in place):
-    new requests are held until it has run."""
+    """A control call that runs only when no request is in flight (or generation is paused in place; weight
+    updates also at the next step boundary under ``update_weights_in_flight``): new requests are held until
+    it has run."""
 
 
 class WeightUpdateReq(ExclusiveReq):
@@ -251,6 +252,7 @@ class TokenOut:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     ranks: list[int] | None = None
+    token_weight_versions: list[str] | None = None  # per token: the weight version that sampled it
     finished: FinishReason | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0

@@ -23,7 +23,9 @@ class CompletionOutput:
     top-k alternatives when ``SamplingParams.logprobs = k > 0``); ``token_logprobs[i]`` is the sampled
     token's logprob as a plain float. Both are None when logprobs were not requested.
     ``finish_reason`` is "stop", "length" or "abort" (None while running); ``stop_reason`` is the stop
-    token id or stop string that ended it. ``routed_experts`` (with ``SamplingParams.return_routed_experts``,
+    token id or stop string that ended it. ``token_weight_versions[i]`` is the weight version that sampled
+    token ``i`` (all equal unless the weights changed while the request ran: ``update_weights_in_flight``).
+    ``routed_experts`` (with ``SamplingParams.return_routed_experts``,
     in the final output; vLLM's and SGLang's shape): int32 ndarray [prompt + completion - 1 -
     routed_experts_start_len, num_hidden_layers, top_k], the experts each token that went through the model
     was routed to at each layer (largest routing weight first; -1 on dense layers).
@@ -32,6 +34,7 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    token_weight_versions: list[str] = field(default_factory=list)
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     token_logprobs: list[float] | None = None

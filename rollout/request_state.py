@@ -17,6 +17,7 @@ class SeqState:
     """Everything received so far for one of a request's ``n`` sequences."""
 
     token_ids: list[int] = field(default_factory=list)
+    token_weight_versions: list[str] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -60,6 +61,7 @@ class ReqState:
         with self.lock:
             seq = self.seqs[index]
             seq.token_ids.extend(out.token_ids)
+            seq.token_weight_versions.extend(out.token_weight_versions or [])
             seq.text += out.text
             if out.logprobs is not None:
                 seq.logprobs.extend(out.logprobs)
@@ -100,6 +102,7 @@ def _completion(state: ReqState, index: int, seq: SeqState, delta: bool, tokeniz
     lps = seq.logprobs[t0:] if want else None
     return CompletionOutput(
         index=index, text=seq.text[c0:], token_ids=seq.token_ids[t0:],
+        token_weight_versions=seq.token_weight_versions[t0:],
         cumulative_logprob=sum(seq.logprobs) if want else None,
         logprobs=_logprob_dicts(seq, t0, tokenizer) if want else None, token_logprobs=lps,
         finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, routed_experts=seq.routed_experts)

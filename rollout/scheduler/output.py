@@ -54,6 +54,7 @@ class OutputManager:
             logprobs=req.logprobs[start:end] if req.wants_logprobs else None,
             top_logprobs=req.top_logprobs[start:end] if p.logprobs else None,
             ranks=req.ranks[start:end] if req.wants_logprobs else None,
+            token_weight_versions=req.token_versions[start:end],
             finished=req.finished, prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
             completion_tokens=end, weight_version=weight_version, spec=spec, prompt_logprobs=prompt_lps,
             routed_experts=req.routed_experts if req.finished is not None else None)

@@ -34,6 +34,7 @@ class Req:
         self.prompt_lp_top: list[list[tuple[int, float]]] = []
         self.eos_token_ids = eos_token_ids
         self.output_ids: list[int] = []
+        self.token_versions: list[str] = []  # the weight version that sampled each output token
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.ranks: list[int] = []
@@ -92,8 +93,9 @@ class Req:
             self.prompt_lp_top.extend(top)
 
     def append_token(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
-                     rank: int | None) -> None:
+                     rank: int | None, weight_version: str = "") -> None:
         self.output_ids.append(token)
+        self.token_versions.append(weight_version)
         if self.wants_logprobs:
             self.logprobs.append(logprob)
             self.ranks.append(rank)

@@ -24,6 +24,7 @@ class LaunchedStep:
     output: StepOutput | None
     launched_at: float
     prompt_lp_reqs: list[tuple[Req, int]] = field(default_factory=list)  # (request, rows) of prompt logprobs
+    weight_version: str = ""    # the version of the weights this step's forward reads
 
 
 class ResultProcessor:
@@ -56,7 +57,7 @@ class ResultProcessor:
                 continue
             k = req.sampling.logprobs or 0
             top = list(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids is not None else None
-            req.append_token(ids[j], lps[j], top, ranks[j])
+            req.append_token(ids[j], lps[j], top, ranks[j], step.weight_version)
             req.check_finished(self.tokenizer.get() if req.sampling.stop else None)
             self.stats.gen_tokens += 1
             if req.finished is not None:

@@ -123,7 +123,7 @@ class Scheduler:
         else:
             self.waiting.append(req)
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, reason: FinishReason | None = None) -> None:
         req = self.outputs.live.get(rid)
         if req is None:
             return
@@ -133,7 +133,7 @@ class Scheduler:
             self.running.remove(req)
         self.prefill.drop(req)
         self.cache.release(req)
-        self.outputs.finish(req, FinishReason("abort", message="aborted"))
+        self.outputs.finish(req, reason or FinishReason("abort", message="aborted"))
 
     def run_control(self, req: ControlReq) -> ControlReply:
         """Run one control call with its handler from ``control_handlers``; errors become the reply."""
@@ -169,11 +169,22 @@ class Scheduler:
         return self.weights.refusal() if self.weights.updater.state == "inconsistent" else None
 
     @property
+    def frozen(self) -> bool:
+        """Running requests must not step: paused in place, or a weight-update session is open (weights half
+        updated, ``update_weights_in_flight``)."""
+        return self.paused == "in_place" or bool(self.weights.updater.session)
+
+    def _runs_now(self, req: ExclusiveReq) -> bool:
+        """``req`` may run at this step boundary although requests are in flight: a weight update under
+        ``update_weights_in_flight``, or any call while generation is paused in place."""
+        return self.paused == "in_place" or (self.config.update_weights_in_flight and isinstance(req, WeightUpdateReq))
+
+    @property
     def busy(self) -> bool:
-        """There is work to do now (held requests and a paused engine are not work)."""
+        """There is work to do now (held requests and a frozen engine are not work)."""
         if self.in_flight is not None:
             return True
-        if self.paused == "in_place":
+        if self.frozen:
             return bool(self.update_queue)
         return bool(self.running or self.prefill.chunked or self.update_queue
                     or (self.waiting and (self.admitting or self._refusal() is not None)))
@@ -184,7 +195,7 @@ class Scheduler:
         self.run_ready_updates()
         self.fail_held_requests()
         launched = None
-        if self.paused != "in_place":
+        if not self.frozen:
             if (self.waiting and self.admitting) or self.prefill.chunked:
                 if not self._extend_in_flight():
                     self.sync()
@@ -253,7 +264,8 @@ class Scheduler:
         want = inputs.prompt_logprobs
         prompt_lp_reqs = [(r, n) for r, n in zip(reqs, want.counts) if n] if want is not None else []
         start = time.perf_counter()
-        return LaunchedStep(inputs, sampled, self.runner.run_step(inputs, index, info), start, prompt_lp_reqs)
+        return LaunchedStep(inputs, sampled, self.runner.run_step(inputs, index, info), start, prompt_lp_reqs,
+                            self.weights.weight_version)
 
     # ---- results ------------------------------------------------------------------------------
 
@@ -268,22 +280,27 @@ class Scheduler:
     # ---- control handlers ---------------------------------------------------------------------
 
     def run_ready_updates(self) -> None:
-        """Run queued weight updates once nothing is in flight (or generation is paused in place)."""
-        if not self.update_queue:
-            return
-        in_flight = self.running or self.prefill.chunked is not None or self.in_flight is not None
-        if in_flight and self.paused != "in_place":
+        """Run queued exclusive calls once nothing is in flight, or at this step boundary when they may run
+        beside requests in flight (``_runs_now``)."""
+        busy = self.running or self.prefill.chunked is not None or self.in_flight is not None
+        if not self.update_queue or (busy and not self._runs_now(self.update_queue[0])):
             return
         self.sync()  # no forward may read the weights while they change
-        while self.update_queue:
+        while self.update_queue and (not busy or self._runs_now(self.update_queue[0])):
             self.reply(self.run_control(self.update_queue.popleft()))
 
     def fail_held_requests(self) -> None:
-        """While the weights are inconsistent or the engine sleeps, every held request fails with the reason."""
+        """While the weights are inconsistent or the engine sleeps, every held request fails with the reason;
+        so do requests kept running across an update (in place, or in flight) once the weights are a mix."""
         reason = self._refusal()
         while reason is not None and self.waiting:
             req = self.waiting.popleft()
             self.outputs.finish(req, FinishReason("abort", message=reason, error_type="RuntimeError"))
+        if reason is not None and self.weights.updater.state == "inconsistent" and (self.running or self.prefill.chunked):
+            self.sync()
+            chunked = [self.prefill.chunked] if self.prefill.chunked is not None else []
+            for req in list(self.running) + chunked:
+                self.abort(req.rid, FinishReason("abort", message=reason, error_type="RuntimeError"))
 
     def pause_generation(self, req: PauseGenerationReq) -> bool:
         """Hold new requests; running ones are aborted, retracted (re-run later) or kept in place."""

@@ -4,7 +4,8 @@
 ``{"text", "output_ids", "meta_info"}`` per (prompt, sample), a single object for one prompt with
 ``n == 1`` and a list otherwise (prompt-major). ``meta_info`` holds ``id``, ``finish_reason``
 (``{"type": "length", "length"}``, ``{"type": "stop", "matched"}`` or ``{"type": "abort", ...}``),
-``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_version``, ``e2e_latency`` and,
+``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_version``, ``token_weight_versions`` (per
+output token: the weight version that sampled it), ``e2e_latency`` and,
 with ``return_logprob``, ``output_token_logprobs`` (``[logprob, token_id, text or null]`` per token) and
 ``output_top_logprobs``; with ``logprob_start_len`` >= 0 also ``input_token_logprobs`` and
 ``input_top_logprobs`` for the prompt tokens from that position on, the first entry's logprob null (SGLang's
@@ -155,6 +156,7 @@ class _GenerateView:
                 meta["output_top_logprobs"] = [self._top(entry) for entry in c.logprobs or []]
             if self.body.logprob_start_len >= 0:
                 meta.update(self._input_logprobs(out))
+        meta["token_weight_versions"] = list(c.token_weight_versions)
         item = {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
         if index is not None:
             item["index"] = index
@@ -170,6 +172,7 @@ class _GenerateView:
                 continue
             acc.text += c.text
             acc.token_ids += c.token_ids
+            acc.token_weight_versions += c.token_weight_versions
             acc.token_logprobs += c.token_logprobs or []
             acc.logprobs += c.logprobs or []
             acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason

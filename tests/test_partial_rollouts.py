@@ -1,0 +1,127 @@
+"""Partial rollouts across weight updates (``update_weights_in_flight``): a request keeps running while new
+weights land at a step boundary, and ``token_weight_versions`` says which weights sampled each token.
+
+The reference is transformers on both weight sets: the tokens before the update are the old model's greedy
+tokens; after it, the new model continues from a KV cache that the old model computed for every position
+before the update (what the engine keeps), so each later token is checked teacher-forced against exactly
+that mix (greedy ids equal, logprobs within 1e-5)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rollout import Engine, SamplingParams
+
+PROMPT = [5, 17, 99, 3, 42, 7]
+PARAMS = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True, logprobs=0)
+
+
+def perturbed(path: str, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return model
+
+
+def mixed_logprobs(old, new, prompt: list[int], out: list[int], k: int) -> torch.Tensor:
+    """log_softmax rows for ``out[k:]`` when the KV of ``prompt + out[:k-1]`` comes from ``old`` and the rest
+    (from ``out[k-1]`` on) from ``new``: the engine's state after an update between tokens k-1 and k."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.no_grad():
+        old(torch.tensor([prompt + out[:k - 1]]), past_key_values=cache, use_cache=True)
+        logits = new(torch.tensor([out[k - 1:-1]]), past_key_values=cache, use_cache=True).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def check_against_both_weight_sets(path: str, new_model, out: list[int], versions: list[str],
+                                   logprobs: list[float], hf_reference) -> None:
+    """Assert the split of one finished sequence (its tokens, versions, logprobs) into old and new tokens."""
+    old = hf_reference(path).model
+    assert len(versions) == len(out) == len(logprobs) == PARAMS.max_new_tokens
+    k = versions.count("0")
+    assert versions == ["0"] * k + ["1"] * (len(versions) - k), versions
+    assert 1 < k < len(versions), f"the update did not land while the request ran (k={k})"
+    assert out[:k] == hf_reference(path).greedy(PROMPT, k)
+    lp = mixed_logprobs(old, new_model, PROMPT, out, k)
+    assert lp.argmax(-1).tolist() == out[k:], "tokens after the update are not the new weights' greedy ones"
+    chosen = lp[torch.arange(len(out) - k), torch.tensor(out[k:])]
+    assert (chosen - torch.tensor(logprobs[k:])).abs().max() < 1e-5
+
+
+def test_an_update_lands_in_flight_and_stream_chunks_carry_their_versions(path, hf_reference):
+    new = perturbed(path, seed=1)
+    with Engine(path, dtype="float32", device="cpu", update_weights_in_flight=True) as engine:
+        stream = engine.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS, stream=True)
+        chunks = [next(stream)]
+        result = engine.update_weights_from_tensor(list(new.named_parameters()))
+        chunks += list(stream)
+    assert result["weight_version"] == "1" and chunks[-1].weight_version == "1"
+    seqs = [c.outputs[0] for c in chunks]
+    assert all(len(s.token_weight_versions) == len(s.token_ids) for s in seqs)
+    check_against_both_weight_sets(path, new, [t for s in seqs for t in s.token_ids],
+                                   [v for s in seqs for v in s.token_weight_versions],
+                                   [lp for s in seqs for lp in s.token_logprobs], hf_reference)
+
+
+def test_in_flight_update_then_whole_output_matches_both_weight_sets(path, hf_reference):
+    """Non-streaming: the request is submitted, the update lands while it runs, the output splits exactly."""
+    import threading
+
+    new = perturbed(path, seed=2)
+    with Engine(path, dtype="float32", device="cpu", update_weights_in_flight=True) as engine:
+        box = {}
+        worker = threading.Thread(target=lambda: box.setdefault("out", engine.generate(
+            prompt_token_ids=[PROMPT], sampling_params=PARAMS, use_tqdm=False)))
+        worker.start()
+        _wait_for_tokens(engine, 3)
+        engine.update_weights_from_tensor(list(new.named_parameters()))
+        worker.join(120)
+    c = box["out"][0].outputs[0]
+    check_against_both_weight_sets(path, new, c.token_ids, c.token_weight_versions, c.token_logprobs, hf_reference)
+
+
+def test_a_multi_call_update_session_freezes_running_requests_until_complete(path, hf_reference):
+    """Half the tensors, a pause, then the rest: no token may be sampled from half-updated weights."""
+    import threading
+
+    new = perturbed(path, seed=3)
+    named = list(new.named_parameters())
+    half = len(named) // 2
+    with Engine(path, dtype="float32", device="cpu", update_weights_in_flight=True) as engine:
+        box = {}
+        worker = threading.Thread(target=lambda: box.setdefault("out", engine.generate(
+            prompt_token_ids=[PROMPT], sampling_params=PARAMS, use_tqdm=False)))
+        worker.start()
+        _wait_for_tokens(engine, 3)
+        engine.update_weights_from_tensor(named[:half], flush_cache=False)
+        assert engine.get_weight_state()["state"] == "updating"
+        time.sleep(0.5)  # unfrozen, the request would step many times on the half-updated weights here
+        engine.update_weights_from_tensor(named[half:])
+        worker.join(120)
+    c = box["out"][0].outputs[0]
+    check_against_both_weight_sets(path, new, c.token_ids, c.token_weight_versions, c.token_logprobs, hf_reference)
+
+
+def test_without_the_option_an_update_waits_for_the_request(path):
+    new = perturbed(path, seed=4)
+    with Engine(path, dtype="float32", device="cpu") as engine:
+        stream = engine.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS, stream=True)
+        next(stream)
+        engine.update_weights_from_tensor(list(new.named_parameters()))
+        versions = [v for c in stream for v in c.outputs[0].token_weight_versions]
+    assert set(versions) == {"0"}
+
+
+def _wait_for_tokens(engine, n: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.get_server_info()["gen_tokens"] < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
