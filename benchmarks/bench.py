@@ -46,6 +46,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights drawn by the engine itself (vLLM's name; a preset then writes "
                         "only its config and tokenizer)")
+    p.add_argument("--workload", choices=("fixed", "grpo"), default="fixed",
+                   help="grpo: N samples per prompt, lognormal output lengths, prefix sharing (benchmarks/grpo.py)")
+    p.add_argument("--n", type=int, default=8, help="grpo: samples per prompt")
+    p.add_argument("--output-median", type=int, default=None, help="grpo: median output length (default cap / 4)")
+    p.add_argument("--output-sigma", type=float, default=1.0, help="grpo: sigma of the lognormal output lengths")
+    p.add_argument("--rl-steps", type=int, default=0,
+                   help="grpo: K rollout steps with a weight push between them, drained and in flight")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=1024)
@@ -89,6 +96,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("need 1 <= --min-len <= --max-len")
     if args.temperature < 0 or args.batch1_steps < 0:
         p.error("--temperature and --batch1-steps must be >= 0")
+    if args.workload == "grpo" and (args.n < 1 or args.rl_steps < 0 or args.output_sigma < 0 or args.hf_baseline):
+        p.error("--workload grpo needs --n >= 1, --rl-steps >= 0, --output-sigma >= 0 and no --hf-baseline")
     if args.load_format == "dummy" and (args.hf_baseline or not args.preset):
         p.error("--load-format dummy needs --preset and no --hf-baseline (transformers would load other weights)")
 
@@ -117,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_path = _resolve_model(args)
     device = _resolve_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    if args.workload == "grpo":
+        return _main_grpo(args, model_path, device, dtype)
     cfg = ModelConfig.from_path(model_path)
     length_range = (args.min_len, args.max_len) if args.random_range else None
     work = make_workload(args.num_prompts, cfg.vocab_size, args.seed, args.input_len, args.output_len, length_range)
@@ -129,6 +140,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     mb = model_bytes(cfg, args.tp_size, model_dtype.itemsize, kv_dtype.itemsize, args.quantization)
     report = build_report(args, model_path, device, dtype, work, engine, mb, bandwidth, hf)
     print(format_report(report), flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _main_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str) -> int:
+    from benchmarks.engine_run import engine_options
+    from benchmarks.grpo import format_grpo, run_grpo
+
+    report = run_grpo(args, model_path, device, dtype, engine_options(args))
+    print(format_grpo(report), flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

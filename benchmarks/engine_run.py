@@ -47,7 +47,7 @@ def _timing(batch_size: int, entry: dict[str, Any]) -> StepTiming:
     return StepTiming(batch_size, steps, 1000.0 * entry["seconds"] / steps, entry["kv_tokens"] / steps)
 
 
-def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine keyword options from the flags; presets skip the tokenizer (no detokenizer process)."""
     opts: dict[str, Any] = {"seed": args.seed, "skip_tokenizer_init": bool(args.preset),
                             "load_format": getattr(args, "load_format", "auto")}
@@ -68,7 +68,7 @@ def run_engine(args: argparse.Namespace, model_path: str, device: str, dtype: st
     """Start the engine, warm up, time one ``generate`` over the workload, then the batch-1 probe."""
     from rollout.engine import Engine
 
-    with Engine(model_path, tp_size=args.tp_size, dtype=dtype, device=device, **_engine_options(args)) as engine:
+    with Engine(model_path, tp_size=args.tp_size, dtype=dtype, device=device, **engine_options(args)) as engine:
         longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens))
         if longest > engine.context_len:
             raise ValueError(f"a request needs {longest} tokens but the engine's context is {engine.context_len}")

@@ -218,3 +218,28 @@ def test_weight_sync_bench_pushes_an_moe_preset_exactly(colocated, capsys):
     out = capsys.readouterr().out
     assert "fingerprints equal after the" in out and "True" in out.split("fingerprints equal")[-1]
     assert ("25 tensors" if colocated is None else "colocated push (tensor): 25 tensors") in out
+
+
+def test_grpo_workload_and_rl_steps_drained_and_in_flight(tmp_path, capsys):
+    """``--workload grpo --rl-steps 3`` on the tiny preset: both RL loops run every step's requests; drained,
+    each step's tokens come from one weight version; in flight, the first batch's tail may sample from the
+    next one; the prompts' N samples share the prefix cache."""
+    from benchmarks.bench import main
+
+    out = tmp_path / "grpo.json"
+    argv = ["--preset", "tiny", "--preset-dir", str(tmp_path), "--device", "cpu", "--workload", "grpo",
+            "--num-prompts", "3", "--n", "4", "--min-len", "16", "--max-len", "48", "--output-len", "40",
+            "--max-running-requests", "8", "--rl-steps", "3", "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert "in flight / drain makespan" in capsys.readouterr().out
+    for mode in ("drain", "in_flight"):
+        steps = report[mode]["steps"]
+        assert len(steps) == 3 and all(s["requests"] == 12 for s in steps)
+        assert all(sum(s["versions"].values()) == s["output_tokens"] for s in steps)
+        assert all(s["prefix_hit_rate"] > 0.5 for s in steps)  # 4 samples per prompt: 3 of 4 prompts cached
+        assert report[mode]["makespan_s"] > 0 and all(s["sync_s"] > 0 for s in steps)
+    assert [set(s["versions"]) for s in report["drain"]["steps"]] == [{"0"}, {"1"}, {"2"}]
+    assert set(report["in_flight"]["steps"][0]["versions"]) <= {"0", "1"}
+    assert [sum(s["output_tokens"] for s in report[m]["steps"]) for m in ("drain", "in_flight")] == \
+        [sum(s["output_tokens"] for s in report["drain"]["steps"])] * 2

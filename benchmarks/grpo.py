@@ -1,0 +1,243 @@
+"""The bench's GRPO workload (``--workload grpo``): P prompts × N samples with long-tailed output lengths,
+the shape RL rollouts have, and ``--rl-steps K``: K rollout steps with a weight push between them, once
+draining every request before the push and once applying the push in flight.
+
+- Prompts: random token ids, lengths uniform in [--min-len, --max-len]; each is sent N times (one request per
+  sample, so every sample has its own length), which the prefix cache shares.
+- Outputs: lognormal lengths (median --output-median, sigma --output-sigma), capped at --output-len, with
+  ``ignore_eos``.
+- Reported per run: output tok/s, makespan, the tail (seconds during which fewer than a quarter of the
+  engine's ``max_running_requests`` slots were busy, sampled every 20 ms), and the prefix-cache hit rate
+  (cached prompt tokens / prompt tokens).
+- ``--rl-steps K``: each step is a rollout of a fresh batch, then a push of new weights (random tensors with
+  the model's shapes, in transformers' naming) with ``update_weights_from_tensor`` (CUDA IPC on a GPU,
+  shared memory on the CPU). **drain**: the push waits until the batch has finished. **in flight**
+  (``update_weights_in_flight``): when the batch enters its tail (fewer than a quarter of the slots busy) the
+  next batch is submitted and the push lands at the next step boundary; the tail finishes on the new weights
+  (its later tokens are tagged with the new version). Each step is split into rollout (until the push
+  starts), sync (the push) and tail time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class GrpoBatch:
+    prompts: list[list[int]]      # one entry per request (each prompt repeated N times)
+    output_lens: list[int]
+
+
+def make_grpo_batch(args: argparse.Namespace, vocab: int, seed: int) -> GrpoBatch:
+    rng = random.Random(seed)
+    median = args.output_median or max(1, args.output_len // 4)
+    prompts, outs = [], []
+    for _ in range(args.num_prompts):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
+        for _ in range(args.n):
+            prompts.append(prompt)
+            outs.append(max(1, min(args.output_len, round(rng.lognormvariate(math.log(median), args.output_sigma)))))
+    return GrpoBatch(prompts, outs)
+
+
+@dataclass
+class RolloutStats:
+    """One timed rollout (or one RL step of it)."""
+
+    requests: int
+    output_tokens: int
+    makespan_s: float
+    tail_s: float
+    prefix_hit_rate: float
+    sync_s: float = 0.0
+    versions: dict[str, int] = field(default_factory=dict)  # tokens sampled by each weight version
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.makespan_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "output_tok_s": self.output_tok_s}
+
+
+class LoadSampler:
+    """Samples the engine's running count every ``period`` seconds on a thread; ``tail_s`` is the time with
+    fewer than a quarter of ``slots`` busy while work was left."""
+
+    def __init__(self, engine: Any, slots: int, period: float = 0.02) -> None:
+        self.engine, self.slots, self.period = engine, slots, period
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "LoadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            load = self.engine.get_load()
+            self.samples.append((time.perf_counter(), load["running"], load["waiting"]))
+
+    def tail_s(self, start: float, end: float) -> float:
+        points = [(t, r, w) for t, r, w in self.samples if start <= t <= end]
+        return sum(t1 - t0 for (t0, r, w), (t1, _, _) in zip(points, points[1:])
+                   if r + w > 0 and r < self.slots / 4)
+
+
+def run_rollout(engine: Any, batch: GrpoBatch, temperature: float) -> list[Any]:
+    from rollout.sampling_params import SamplingParams
+
+    params = [SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True) for n in batch.output_lens]
+    return engine.generate(prompt_token_ids=batch.prompts, sampling_params=params, use_tqdm=False)
+
+
+def summarize(outs: list[Any], makespan: float, tail: float, sync: float = 0.0) -> RolloutStats:
+    versions: dict[str, int] = {}
+    for o in outs:
+        for v in o.outputs[0].token_weight_versions:
+            versions[v] = versions.get(v, 0) + 1
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs)
+    return RolloutStats(len(outs), sum(len(o.outputs[0].token_ids) for o in outs), makespan, tail,
+                        cached / max(prompt_tokens, 1), sync, versions)
+
+
+def rl_steps(engine: Any, batches: list[GrpoBatch], push: Any, temperature: float, in_flight: bool
+             ) -> tuple[list[RolloutStats], float]:
+    """Run the batches as RL steps with ``push()`` between them; returns per-step stats and the makespan."""
+    slots = engine.config.max_running_requests
+    steps: list[RolloutStats] = []
+    with LoadSampler(engine, slots) as load:
+        start = time.perf_counter()
+        worker = _Rollout(engine, batches[0], temperature)
+        for i in range(len(batches)):
+            if in_flight and i + 1 < len(batches):
+                _wait_for_tail(engine, worker, slots)
+            else:
+                worker.join()
+            t_push = time.perf_counter()
+            push()
+            sync = time.perf_counter() - t_push
+            nxt = _Rollout(engine, batches[i + 1], temperature) if i + 1 < len(batches) else None
+            worker.join()
+            steps.append(summarize(worker.outs, worker.end - worker.start, load.tail_s(worker.start, worker.end), sync))
+            worker = nxt
+        makespan = time.perf_counter() - start
+    return steps, makespan
+
+
+class _Rollout:
+    """One batch generating on a thread."""
+
+    def __init__(self, engine: Any, batch: GrpoBatch, temperature: float) -> None:
+        self.start = time.perf_counter()
+        self.end = self.start
+        self.outs: list[Any] = []
+        self._thread = threading.Thread(target=self._run, args=(engine, batch, temperature), daemon=True)
+        self._thread.start()
+
+    def _run(self, engine: Any, batch: GrpoBatch, temperature: float) -> None:
+        self.outs = run_rollout(engine, batch, temperature)
+        self.end = time.perf_counter()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+
+def _wait_for_tail(engine: Any, worker: _Rollout, slots: int) -> None:
+    """Until the batch has fewer than a quarter of the slots' requests left (or has finished)."""
+    time.sleep(0.05)
+    while not worker.done:
+        load = engine.get_load()
+        if load["running"] + load["waiting"] < slots / 4:
+            return
+        time.sleep(0.02)
+
+
+def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str, engine_options: dict[str, Any]
+             ) -> dict[str, Any]:
+    """The GRPO workload: one timed rollout, or with ``--rl-steps K`` the drain and in-flight RL loops."""
+    from rollout.config import ModelConfig
+    from rollout.engine import Engine
+
+    vocab = ModelConfig.from_path(model_path).vocab_size
+    batches = [make_grpo_batch(args, vocab, args.seed + 101 * i) for i in range(max(1, args.rl_steps))]
+    report: dict[str, Any] = {"workload": {k: getattr(args, k) for k in (
+        "num_prompts", "n", "min_len", "max_len", "output_len", "output_median", "output_sigma", "rl_steps",
+        "temperature", "seed")}}
+    modes = [("rollout", False)] if not args.rl_steps else [("drain", False), ("in_flight", True)]
+    for name, in_flight in modes:
+        with Engine(model_path, tp_size=args.tp_size, dtype=dtype, device=device, update_weights_in_flight=in_flight,
+                    **engine_options) as engine:
+            run_rollout(engine, make_grpo_batch(_warmup_args(args), vocab, args.seed + 7), args.temperature)
+            engine.flush_cache()
+            if not args.rl_steps:
+                with LoadSampler(engine, engine.config.max_running_requests) as load:
+                    start = time.perf_counter()
+                    outs = run_rollout(engine, batches[0], args.temperature)
+                    end = time.perf_counter()
+                report[name] = {"total": summarize(outs, end - start, load.tail_s(start, end)).to_dict()}
+                continue
+            push = _pusher(engine, model_path, device, dtype)
+            steps, makespan = rl_steps(engine, batches, push, args.temperature, in_flight)
+            tokens = sum(s.output_tokens for s in steps)
+            report[name] = {"makespan_s": makespan, "output_tok_s": tokens / makespan,
+                            "steps": [s.to_dict() for s in steps]}
+    return report
+
+
+def _warmup_args(args: argparse.Namespace) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "num_prompts": min(4, args.num_prompts), "n": 2, "output_len": 8,
+                                 "output_median": 4})
+
+
+def _pusher(engine: Any, model_path: str, device: str, dtype: str) -> Any:
+    """A push of random weights with the model's shapes (transformers' naming), as a colocated trainer's."""
+    import torch
+
+    from rollout.config import ModelConfig
+    from rollout.weights.weight_map import trainer_hf_shapes
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    named = [(n, (torch.randn(s, generator=gen, device=device) * 0.02).to(getattr(torch, dtype)))
+             for n, s in trainer_hf_shapes(ModelConfig.from_path(model_path)).items()]
+    return lambda: engine.update_weights_from_tensor(named)
+
+
+def format_grpo(report: dict[str, Any]) -> str:
+    w = report["workload"]
+    lines = [f"GRPO workload: {w['num_prompts']} prompts x {w['n']} samples, prompts {w['min_len']}-{w['max_len']} "
+             f"tokens, outputs lognormal (median {w['output_median'] or w['output_len'] // 4}, sigma "
+             f"{w['output_sigma']}) capped at {w['output_len']}, temperature {w['temperature']}"]
+    if "rollout" in report:
+        s = report["rollout"]["total"]
+        lines.append(f"rollout: {s['output_tokens']} output tokens in {s['makespan_s']:.2f} s = {s['output_tok_s']:.1f} "
+                     f"tok/s; tail {s['tail_s']:.2f} s (< 1/4 of the slots busy); prefix-cache hit rate "
+                     f"{s['prefix_hit_rate']:.1%}")
+        return "\n".join(lines)
+    for name in ("drain", "in_flight"):
+        r = report[name]
+        lines.append(f"{name:>9}: makespan {r['makespan_s']:.2f} s, {r['output_tok_s']:.1f} output tok/s over "
+                     f"{len(r['steps'])} steps")
+        for i, s in enumerate(r["steps"]):
+            lines.append(f"           step {i + 1}: rollout {s['makespan_s']:.2f} s (tail {s['tail_s']:.2f} s), sync "
+                         f"{s['sync_s'] * 1e3:.1f} ms, hit rate {s['prefix_hit_rate']:.1%}, tokens by weight version "
+                         f"{s['versions']}")
+    lines.append(f"in flight / drain makespan: {report['in_flight']['makespan_s'] / report['drain']['makespan_s']:.2f}")
+    return "\n".join(lines)
