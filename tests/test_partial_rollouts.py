@@ -71,43 +71,43 @@ def test_an_update_lands_in_flight_and_stream_chunks_carry_their_versions(path, 
                                    [lp for s in seqs for lp in s.token_logprobs], hf_reference)
 
 
-def test_in_flight_update_then_whole_output_matches_both_weight_sets(path, hf_reference):
-    """Non-streaming: the request is submitted, the update lands while it runs, the output splits exactly."""
+def update_during_a_request(path: str, update) -> tuple[list[int], list[str], list[float]]:
+    """Submit ``PROMPT`` (non-streaming) to an ``update_weights_in_flight`` engine, call ``update(engine)`` once
+    it has sampled a few tokens, and return the request's (tokens, versions, logprobs) when it ends."""
     import threading
 
-    new = perturbed(path, seed=2)
     with Engine(path, dtype="float32", device="cpu", update_weights_in_flight=True) as engine:
         box = {}
         worker = threading.Thread(target=lambda: box.setdefault("out", engine.generate(
             prompt_token_ids=[PROMPT], sampling_params=PARAMS, use_tqdm=False)))
         worker.start()
         _wait_for_tokens(engine, 3)
-        engine.update_weights_from_tensor(list(new.named_parameters()))
+        update(engine)
         worker.join(120)
     c = box["out"][0].outputs[0]
-    check_against_both_weight_sets(path, new, c.token_ids, c.token_weight_versions, c.token_logprobs, hf_reference)
+    return c.token_ids, c.token_weight_versions, c.token_logprobs
+
+
+def test_in_flight_update_then_whole_output_matches_both_weight_sets(path, hf_reference):
+    """Non-streaming: the request is submitted, the update lands while it runs, the output splits exactly."""
+    new = perturbed(path, seed=2)
+    out = update_during_a_request(path, lambda engine: engine.update_weights_from_tensor(list(new.named_parameters())))
+    check_against_both_weight_sets(path, new, *out, hf_reference)
 
 
 def test_a_multi_call_update_session_freezes_running_requests_until_complete(path, hf_reference):
     """Half the tensors, a pause, then the rest: no token may be sampled from half-updated weights."""
-    import threading
-
     new = perturbed(path, seed=3)
     named = list(new.named_parameters())
     half = len(named) // 2
-    with Engine(path, dtype="float32", device="cpu", update_weights_in_flight=True) as engine:
-        box = {}
-        worker = threading.Thread(target=lambda: box.setdefault("out", engine.generate(
-            prompt_token_ids=[PROMPT], sampling_params=PARAMS, use_tqdm=False)))
-        worker.start()
-        _wait_for_tokens(engine, 3)
+
+    def in_two_calls(engine) -> None:
         engine.update_weights_from_tensor(named[:half], flush_cache=False)
         assert engine.get_weight_state()["state"] == "updating"
         time.sleep(0.5)  # unfrozen, the request would step many times on the half-updated weights here
         engine.update_weights_from_tensor(named[half:])
-        worker.join(120)
-    c = box["out"][0].outputs[0]
-    check_against_both_weight_sets(path, new, c.token_ids, c.token_weight_versions, c.token_logprobs, hf_reference)
+
+    check_against_both_weight_sets(path, new, *update_during_a_request(path, in_two_calls), hf_reference)
 
 
 def test_without_the_option_an_update_waits_for_the_request(path):
