@@ -77,6 +77,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="KV slots per page (default 1; --decode-attention-backend xqa needs 16, 32, 64 or 128)")
     p.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
                    help="online weight quantization (fp8: W8A8 projections; default none: the model dtype)")
+    p.add_argument("--enable-mixed-chunk", action="store_true", help="prefill steps also decode the running requests")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="a short untimed generate first (default on)")
     p.add_argument("--batch1-steps", type=int, default=0,

@@ -51,6 +51,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine keyword options from the flags; presets skip the tokenizer (no detokenizer process)."""
     opts: dict[str, Any] = {"seed": args.seed, "skip_tokenizer_init": bool(args.preset),
                             "load_format": getattr(args, "load_format", "auto")}
+    if getattr(args, "enable_mixed_chunk", False):
+        opts["enable_mixed_chunk"] = True
     for name in ("max_running_requests", "mem_fraction_static", "attention_backend", "decode_attention_backend",
                  "kv_cache_dtype", "quantization", "page_size"):
         if getattr(args, name) is not None:

@@ -195,6 +195,11 @@ class EngineConfig:
     requests pause while the update session is open and then continue on the new weights, keeping the KV
     their earlier tokens computed with the older weights. ``CompletionOutput.token_weight_versions`` says
     which weights sampled each token. Off by default: updates wait for the requests in flight (drain).
+    ``enable_mixed_chunk`` (SGLang's name): a prefill step also carries one token of every running request
+    (their decode), so a long prompt no longer stalls the running requests for a whole step; the step's
+    prefill budget shrinks by the running count (to at least a quarter of ``max_prefill_tokens``). Mixed
+    steps run eager (no CUDA graph) and read the running requests' last tokens from the host, so the step
+    in flight is read first. Off by default until GPU measurements say where it wins.
     """
 
     model_path: str
@@ -231,6 +236,7 @@ class EngineConfig:
     enable_memory_saver: bool = False
     enable_return_routed_experts: bool = False
     update_weights_in_flight: bool = False
+    enable_mixed_chunk: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

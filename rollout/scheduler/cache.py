@@ -91,12 +91,12 @@ class KVCacheManager:
         last = int(self.req_pool.last_slots([req.pool_row], [req.kv_len])[0])
         self.req_pool.write(req.pool_row, req.kv_len, self.allocator.alloc(n, req.kv_len, last))
 
-    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
+    def alloc_decode(self, reqs: list[Req], device: bool = False) -> torch.Tensor:
         """One slot (already ensured free) for each request's next token, written to the host table only
-        (the model runner writes the device table with the step)."""
+        (the model runner writes the device table with a decode step), or to both with ``device``."""
         rows, positions = [r.pool_row for r in reqs], [r.kv_len for r in reqs]
         slots = self.allocator.alloc_decode(positions, self.req_pool.last_slots(rows, positions))
-        self.req_pool.write_many(rows, positions, slots, device=False)
+        self.req_pool.write_many(rows, positions, slots, device=device)
         return slots
 
     def decode_slots_needed(self, reqs: list[Req]) -> int:

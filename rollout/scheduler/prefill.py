@@ -33,14 +33,15 @@ class PrefillManager:
         self.outputs = outputs
         self.chunked: Req | None = None  # the request whose prompt is partly computed
 
-    def schedule(self, waiting: deque[Req], running: int, in_flight: list[Req], admitting: bool
+    def schedule(self, waiting: deque[Req], running: int, in_flight: list[Req], admitting: bool, reserve: int = 0
                  ) -> tuple[list[Req], list[int]]:
         """The requests of the next extend step and how many new tokens each computes (empty: none now).
 
         ``running`` counts the requests already running (``in_flight``, those of the prefill in flight,
         included); admitted requests leave ``waiting`` and get their KV placed. Without ``admitting``
-        (an update pending, generation paused) only the chunked request continues."""
-        budget = self.config.max_prefill_tokens
+        (an update pending, generation paused) only the chunked request continues. ``reserve`` tokens of the
+        step's budget go to running requests decoding in it (a mixed step; at least a quarter is kept)."""
+        budget = max(self.config.max_prefill_tokens - reserve, self.config.max_prefill_tokens // 4)
         reqs: list[Req] = []
         lens: list[int] = []
         if self.chunked is not None:
@@ -118,10 +119,11 @@ class PrefillManager:
 
     def build_step(self, reqs: list[Req], lens: list[int]) -> tuple[StepInput, list[Req]]:
         """The extend step computing ``lens`` new tokens of each of ``reqs`` (their slots already placed), and
-        the requests it samples a token for: those whose prompt (and earlier output) it completes."""
+        the requests it samples a token for: those whose prompt (and earlier output) it completes. Running
+        requests decoding in a mixed step are rows of one token (their last) that complete theirs."""
         ids, pos, slots = [], [], []
         for req, n in zip(reqs, lens):
-            ids.extend(req.fill_ids[req.kv_len:req.kv_len + n])
+            ids.extend(req.fill_ids[req.kv_len:req.kv_len + n] if n > 1 else [req.token_at(req.kv_len)])
             pos.extend(range(req.kv_len, req.kv_len + n))
             slots.append(self.cache.req_pool.slots(req.pool_row, req.kv_len + n)[req.kv_len:])
         inputs = StepInput(ForwardMode.EXTEND, [r.pool_row for r in reqs], ids, pos, torch.cat(slots),

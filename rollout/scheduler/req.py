@@ -51,6 +51,11 @@ class Req:
         self.routed_experts: Any = None    # read from the KV pool's routing at finish (return_routed_experts)
         self.stop_tail_len = max((len(s) for s in self.sampling.stop), default=0)
 
+    def token_at(self, pos: int) -> int:
+        """``fill_ids[pos]`` without building the list."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+
     @property
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids

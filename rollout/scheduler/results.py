@@ -49,11 +49,12 @@ class ResultProcessor:
         top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         extend = step.inputs.mode == ForwardMode.EXTEND
+        decoding = {id(r) for r in self.running} if extend else set()  # running rows of a mixed step
         for j, req in enumerate(step.sampled):
             req.inflight_tokens -= 1
             if req.finished is not None:  # ended (or aborted) while this step was in flight: drop the token
                 continue
-            if extend and not self._prefill_done(req):
+            if extend and id(req) not in decoding and not self._prefill_done(req):
                 continue
             k = req.sampling.logprobs or 0
             top = list(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids is not None else None

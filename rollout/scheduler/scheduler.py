@@ -222,11 +222,22 @@ class Scheduler:
         self.outputs.emit(self.running, self.weights.weight_version)
 
     def _schedule_prefill(self) -> LaunchedStep | None:
+        """Launch an extend step over the admitted prompts (and chunk); with ``enable_mixed_chunk`` the running
+        requests decode in it too, one token each (their last tokens must be on the host: read the step in
+        flight first)."""
+        mixing = self.config.enable_mixed_chunk and bool(self.running)
+        if mixing:
+            self.sync()
         in_flight = self._in_flight_prefilled()
+        decoding = self.decode.candidates(self.running) if mixing else []
         reqs, lens = self.prefill.schedule(self.waiting, len(self.running) + len(in_flight), in_flight,
-                                           self.admitting)
+                                           self.admitting, reserve=len(decoding))
         if not reqs:
             return None
+        if decoding and self.cache.ensure_free(self.cache.decode_slots_needed(decoding)):
+            self.cache.alloc_decode(decoding, device=True)
+            reqs, lens = reqs + decoding, lens + [1] * len(decoding)
+            self.stats.mixed_steps += 1
         inputs, sampled = self.prefill.build_step(reqs, lens)
         return self.launch(reqs, inputs, sampled)
 

@@ -19,6 +19,7 @@ class SchedulerStats:
         self.prefill_tokens = 0
         self.gen_tokens = 0
         self.retractions = 0
+        self.mixed_steps = 0   # extend steps that also decoded the running requests (enable_mixed_chunk)
         self.decode_steps: dict[int, list[float]] = {}  # batch size → [count, total seconds, total kv tokens]
         self.prefill_steps = [0, 0.0, 0]                # count, seconds, tokens
         self._last_log = time.monotonic()
@@ -43,7 +44,7 @@ class SchedulerStats:
                "prefill": {"steps": self.prefill_steps[0], "seconds": self.prefill_steps[1],
                            "tokens": self.prefill_steps[2]},
                "gen_tokens": self.gen_tokens, "prefill_tokens": self.prefill_tokens,
-               "retractions": self.retractions}
+               "retractions": self.retractions, "mixed_steps": self.mixed_steps}
         if reset:
             self.decode_steps = {}
             self.prefill_steps = [0, 0.0, 0]

@@ -65,6 +65,7 @@ class ServerArgs:
     enable_memory_saver: bool = False
     enable_return_routed_experts: bool = False
     update_weights_in_flight: bool = False
+    enable_mixed_chunk: bool = False
     log_level: str = "info"
     log_interval: float | None = None
     log_requests: bool = False
@@ -104,6 +105,8 @@ class ServerArgs:
             kwargs["enable_return_routed_experts"] = True
         if self.update_weights_in_flight:
             kwargs["update_weights_in_flight"] = True
+        if self.enable_mixed_chunk:
+            kwargs["enable_mixed_chunk"] = True
         kwargs["log_level"] = "INFO" if self.log_level in ("debug", "info") else self.log_level.upper()
         return kwargs
 
@@ -163,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE models: requests may ask for the experts each token was routed to (routing replay)")
     p.add_argument("--update-weights-in-flight", action="store_true",
                    help="apply weight updates at the next step while requests keep running (partial rollouts)")
+    p.add_argument("--enable-mixed-chunk", action="store_true",
+                   help="prefill steps also decode the running requests (SGLang's mixed chunk)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-interval", type=float, default=None, help="seconds between scheduler log lines")
     p.add_argument("--log-requests", action="store_true", help="log every HTTP request (uvicorn access log)")
