@@ -112,6 +112,7 @@ num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, initializer_
     step colocated-grpo-8b 120 python examples/colocated_grpo.py --preset llama-3.1-8b --device cuda --steps 5 ;;
   moe)
     step fused-moe-tests 240 python -m pytest -q -p no:cacheprovider tests/test_fused_moe.py
+    step fused-moe-graph 120 python gpu_checks/check_fused_moe_graph.py
     step fused-moe-kernel 240 python tools/bench_fused_moe.py
     step preset-moe-4l 200 python -c "from benchmarks.presets import write_preset; print(write_preset('qwen3-30b-a3b-4l'))"
     step logits-moe 300 python gpu_checks/check_logits.py --preset qwen3-30b-a3b-4l --num-seqs 32 --tp-sizes 1 ;;

@@ -8,7 +8,7 @@ tiles to stay fast.
 
 from __future__ import annotations
 
-from triton_interpreter import DEVICE, INTERPRETED  # first: sets up the interpreter before triton is imported
+from triton_interpreter import DEVICE  # first: sets up the interpreter before triton is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -116,24 +116,3 @@ def test_fused_moe_writes_in_place_and_takes_the_empty_batch():
                   launch=(TINY, MoeLaunch(block_m=32)))
     empty = fused_moe(xd[:0], w13.to(DEVICE), w2.to(DEVICE), topk_weights[:0].to(DEVICE), topk_ids[:0].to(DEVICE))
     assert empty.shape == (0, 40)
-
-
-@pytest.mark.skipif(INTERPRETED, reason="CUDA graphs need a GPU")
-def test_fused_moe_replays_in_a_cuda_graph_with_new_routing():
-    gen = torch.Generator().manual_seed(11)
-    t, top_k, num_experts, h, inter = 24, 4, 16, 256, 128
-    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).cuda()
-    w13 = (torch.randn(num_experts, 2 * inter, h, generator=gen) / h ** 0.5).to(torch.bfloat16).cuda()
-    w2 = (torch.randn(num_experts, h, inter, generator=gen) / inter ** 0.5).to(torch.bfloat16).cuda()
-    topk_ids = route(t, top_k, num_experts, gen).cuda()
-    topk_weights = torch.rand(t, top_k, generator=gen).cuda()
-    fused_moe(x, w13, w2, topk_weights, topk_ids)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_moe(x, w13, w2, topk_weights, topk_ids)
-    topk_ids.copy_(route(t, top_k, num_experts, gen))
-    graph.replay()
-    torch.cuda.synchronize()
-    want = reference_moe(x.cpu(), w13.cpu(), w2.cpu(), topk_weights.cpu(), topk_ids.cpu())
-    torch.testing.assert_close(out.cpu(), want, rtol=2e-2, atol=2e-2)
