@@ -4,7 +4,7 @@ weights land at a step boundary, and ``token_weight_versions`` says which weight
 The reference is transformers on both weight sets: the tokens before the update are the old model's greedy
 tokens; after it, the new model continues from a KV cache that the old model computed for every position
 before the update (what the engine keeps), so each later token is checked teacher-forced against exactly
-that mix (greedy ids equal, logprobs within 1e-5)."""
+that mix (greedy ids equal, logprobs within 5e-5: float32 noise over ~500 positions)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 from rollout import Engine, SamplingParams
 
 PROMPT = [5, 17, 99, 3, 42, 7]
-PARAMS = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True, logprobs=0)
+# long enough that an update sent after the first tokens lands before the request ends, even on a loaded machine
+PARAMS = SamplingParams(temperature=0.0, max_new_tokens=480, ignore_eos=True, logprobs=0)
 
 
 def perturbed(path: str, seed: int):
@@ -53,7 +54,8 @@ def check_against_both_weight_sets(path: str, new_model, out: list[int], version
     lp = mixed_logprobs(old, new_model, PROMPT, out, k)
     assert lp.argmax(-1).tolist() == out[k:], "tokens after the update are not the new weights' greedy ones"
     chosen = lp[torch.arange(len(out) - k), torch.tensor(out[k:])]
-    assert (chosen - torch.tensor(logprobs[k:])).abs().max() < 1e-5
+    # float32 sums in another order than transformers', over up to 486 positions
+    assert (chosen - torch.tensor(logprobs[k:])).abs().max() < 5e-5
 
 
 def test_an_update_lands_in_flight_and_stream_chunks_carry_their_versions(path, hf_reference):
@@ -81,7 +83,7 @@ def update_during_a_request(path: str, update) -> tuple[list[int], list[str], li
         worker = threading.Thread(target=lambda: box.setdefault("out", engine.generate(
             prompt_token_ids=[PROMPT], sampling_params=PARAMS, use_tqdm=False)))
         worker.start()
-        _wait_for_tokens(engine, 3)
+        _wait_for_tokens(engine, 1)
         update(engine)
         worker.join(120)
     c = box["out"][0].outputs[0]
