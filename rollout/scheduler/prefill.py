@@ -123,7 +123,7 @@ class PrefillManager:
         requests decoding in a mixed step are rows of one token (their last) that complete theirs."""
         ids, pos, slots = [], [], []
         for req, n in zip(reqs, lens):
-            ids.extend(req.fill_ids[req.kv_len:req.kv_len + n] if n > 1 else [req.token_at(req.kv_len)])
+            ids.extend(req.tokens(req.kv_len, req.kv_len + n))
             pos.extend(range(req.kv_len, req.kv_len + n))
             slots.append(self.cache.req_pool.slots(req.pool_row, req.kv_len + n)[req.kv_len:])
         inputs = StepInput(ForwardMode.EXTEND, [r.pool_row for r in reqs], ids, pos, torch.cat(slots),

@@ -51,10 +51,12 @@ class Req:
         self.routed_experts: Any = None    # read from the KV pool's routing at finish (return_routed_experts)
         self.stop_tail_len = max((len(s) for s in self.sampling.stop), default=0)
 
-    def token_at(self, pos: int) -> int:
-        """``fill_ids[pos]`` without building the list."""
+    def tokens(self, start: int, end: int) -> list[int]:
+        """``fill_ids[start:end]`` without building the whole list (a decode row needs one token of it)."""
         n = len(self.prompt_ids)
-        return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(start - n, 0):end - n]
 
     @property
     def fill_ids(self) -> list[int]:

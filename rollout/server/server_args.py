@@ -31,6 +31,10 @@ _ENGINE_OPTIONS = {
     "page_size": "page_size",
 }
 
+# on/off flags, passed to the Engine (same field name) only when set
+_ENGINE_SWITCHES = ("disable_radix_cache", "keep_weight_copy", "enable_memory_saver", "enable_return_routed_experts",
+                    "update_weights_in_flight", "enable_mixed_chunk")
+
 
 @dataclass(frozen=True)
 class ServerArgs:
@@ -95,18 +99,7 @@ class ServerArgs:
             value = getattr(self, flag)
             if value is not None:
                 kwargs[option] = value
-        if self.disable_radix_cache:
-            kwargs["disable_radix_cache"] = True
-        if self.keep_weight_copy:
-            kwargs["keep_weight_copy"] = True
-        if self.enable_memory_saver:
-            kwargs["enable_memory_saver"] = True
-        if self.enable_return_routed_experts:
-            kwargs["enable_return_routed_experts"] = True
-        if self.update_weights_in_flight:
-            kwargs["update_weights_in_flight"] = True
-        if self.enable_mixed_chunk:
-            kwargs["enable_mixed_chunk"] = True
+        kwargs.update({switch: True for switch in _ENGINE_SWITCHES if getattr(self, switch)})
         kwargs["log_level"] = "INFO" if self.log_level in ("debug", "info") else self.log_level.upper()
         return kwargs
 
