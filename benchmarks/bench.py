@@ -78,6 +78,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
                    help="online weight quantization (fp8: W8A8 projections; default none: the model dtype)")
     p.add_argument("--enable-mixed-chunk", action="store_true", help="prefill steps also decode the running requests")
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="longest prompt piece one step computes (default: the engine's, 8192)")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="prompt tokens per extend step (default: the engine's, 16384)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="a short untimed generate first (default on)")
     p.add_argument("--batch1-steps", type=int, default=0,

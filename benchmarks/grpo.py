@@ -188,11 +188,13 @@ def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str,
             run_rollout(engine, make_grpo_batch(_warmup_args(args), vocab, args.seed + 7), args.temperature)
             engine.flush_cache()
             if not args.rl_steps:
+                mixed = engine.get_step_stats()["mixed_steps"]
                 with LoadSampler(engine, engine.config.max_running_requests) as load:
                     start = time.perf_counter()
                     outs = run_rollout(engine, batches[0], args.temperature)
                     end = time.perf_counter()
-                report[name] = {"total": summarize(outs, end - start, load.tail_s(start, end)).to_dict()}
+                report[name] = {"total": summarize(outs, end - start, load.tail_s(start, end)).to_dict(),
+                                "mixed_steps": engine.get_step_stats()["mixed_steps"] - mixed}
                 continue
             push = _pusher(engine, model_path, device, dtype)
             steps, makespan = rl_steps(engine, batches, push, args.temperature, in_flight)
@@ -229,7 +231,7 @@ def format_grpo(report: dict[str, Any]) -> str:
         s = report["rollout"]["total"]
         lines.append(f"rollout: {s['output_tokens']} output tokens in {s['makespan_s']:.2f} s = {s['output_tok_s']:.1f} "
                      f"tok/s; tail {s['tail_s']:.2f} s (< 1/4 of the slots busy); prefix-cache hit rate "
-                     f"{s['prefix_hit_rate']:.1%}")
+                     f"{s['prefix_hit_rate']:.1%}; {report['rollout']['mixed_steps']} prefill steps mixed with decode")
         return "\n".join(lines)
     for name in ("drain", "in_flight"):
         r = report[name]

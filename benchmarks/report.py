@@ -62,6 +62,8 @@ def build_report(args: argparse.Namespace, model_path: str, device: str, dtype: 
         "decode_steady": _step_report(engine.steady, mb, bandwidth),
         "decode_batch1": _step_report(engine.batch1, mb, bandwidth),
         "prefill": engine.step_stats.get("prefill"),
+        "mixed_steps": engine.step_stats.get("mixed_steps", 0),
+        "retractions": engine.step_stats.get("retractions", 0),
         "hf": hf.to_dict() if hf else None,
         "engine_over_hf": engine.result.output_tok_s / hf.output_tok_s if hf else None,
     }
@@ -96,7 +98,8 @@ def format_report(r: dict[str, Any]) -> str:
     pre = r.get("prefill") or {}
     if pre.get("steps"):
         lines.append(f"prefill: {pre['tokens']} tokens in {pre['steps']} steps, {pre['seconds']:.2f} s "
-                     f"({pre['tokens'] / max(pre['seconds'], 1e-9):.0f} tok/s)")
+                     f"({pre['tokens'] / max(pre['seconds'], 1e-9):.0f} tok/s); {r.get('mixed_steps', 0)} of them "
+                     f"mixed with decode; {r.get('retractions', 0)} retractions")
     for key in ("decode_steady", "decode_batch1"):
         s = r[key]
         if s is not None:

@@ -86,6 +86,9 @@ def run_engine(path: str, tp: int, prompts: list[list[int]], new_tokens: int, de
     with Engine(path, tp_size=tp, dtype="bfloat16", device=device, max_total_tokens=1 << 16,
                 skip_tokenizer_init=True, kv_cache_dtype=kv_cache_dtype, quantization=quantization, **options) as engine:
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        stats = engine.get_step_stats()
+    print(f"engine TP={tp}: {stats['prefill']['steps']} extend steps, {stats['mixed_steps']} of them mixed with "
+          f"decode", flush=True)
     run = EngineRun(tp, [o.outputs[0].token_ids for o in outs], [o.outputs[0].token_logprobs for o in outs],
                     [[[(t, lp.logprob) for t, lp in d.items()] for d in o.outputs[0].logprobs] for o in outs],
                     time.time() - t0)
@@ -168,6 +171,10 @@ def main() -> int:
     p.add_argument("--decode-attention-backend", default="auto", help="the engines' decode kernel")
     p.add_argument("--page-size", type=int, default=1, help="the engines' KV page size (xqa: 16-128)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="the engines decode without CUDA graphs")
+    p.add_argument("--enable-mixed-chunk", action="store_true",
+                   help="the engines decode the running requests inside prefill steps (pair with a small "
+                        "--max-prefill-tokens so the prompts are admitted over several steps)")
+    p.add_argument("--max-prefill-tokens", type=int, default=16384, help="the engines' prompt tokens per step")
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="the engines' online weight quantization (references quantize the same way)")
     p.add_argument("--fp32-reference", action=argparse.BooleanOptionalAction, default=True,
@@ -184,7 +191,8 @@ def main() -> int:
     prompts = _prompts(ModelConfig.from_path(path).vocab_size, args.num_seqs, args.seed)
     runs = [run_engine(path, int(tp), prompts, args.new_tokens, args.device, args.kv_cache_dtype, args.quantization,
                        decode_attention_backend=args.decode_attention_backend, page_size=args.page_size,
-                       disable_cuda_graph=args.disable_cuda_graph)
+                       disable_cuda_graph=args.disable_cuda_graph, enable_mixed_chunk=args.enable_mixed_chunk,
+                       max_prefill_tokens=args.max_prefill_tokens)
             for tp in args.tp_sizes.split(",")]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(args.device).eval()
     worst = 0.0

@@ -22,6 +22,10 @@
 #   bash gpu_checks/run_gpu.sh actor     # 2 GPUs: the engine actor's NCCL and CUDA IPC weight paths
 #   bash gpu_checks/run_gpu.sh colocation  # sleep/wake, IPC lifetime, same-GPU push (8B shape), colocated example
 #   bash gpu_checks/run_gpu.sh moe       # fused MoE kernel: tests, timings vs its floor; Qwen3-30B-A3B shape (4 layers) logits vs HF
+#   bash gpu_checks/run_gpu.sh moe-logits  # the moe stage without its tests and kernel timings (graph check, logits)
+#   bash gpu_checks/run_gpu.sh rl-8b     # Llama-3.1-8B shape: the bench without and with mixed chunks, mixed logits
+#   bash gpu_checks/run_gpu.sh rl-qwen   # Qwen3-0.6B shape: nano-vllm protocol and GRPO rollouts without and with
+#                                        # mixed chunks; GRPO RL steps drained and in flight
 #   bash gpu_checks/run_gpu.sh moe-bench # Qwen3-30B-A3B shape (dummy weights): 256 x 1000 in / 1000 out, batch-1 step
 #   bash gpu_checks/run_gpu.sh moe-sync  # Qwen3-30B-A3B shape: same-GPU push of the trainer's fused expert tensors
 set -uo pipefail
@@ -116,6 +120,29 @@ num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, initializer_
     step fused-moe-kernel 240 python tools/bench_fused_moe.py
     step preset-moe-4l 200 python -c "from benchmarks.presets import write_preset; print(write_preset('qwen3-30b-a3b-4l'))"
     step logits-moe 300 python gpu_checks/check_logits.py --preset qwen3-30b-a3b-4l --num-seqs 32 --tp-sizes 1 ;;
+  moe-logits)
+    step fused-moe-graph 120 python gpu_checks/check_fused_moe_graph.py
+    step preset-moe-4l 200 python -c "from benchmarks.presets import write_preset; print(write_preset('qwen3-30b-a3b-4l'))"
+    step logits-moe 300 python gpu_checks/check_logits.py --preset qwen3-30b-a3b-4l --num-seqs 32 --tp-sizes 1 ;;
+  rl-8b)
+    step preset-8b 240 python -c "from benchmarks.presets import write_preset; print(write_preset('llama-3.1-8b'))"
+    step bench-8b 200 python -m rollout.bench --preset llama-3.1-8b --num-prompts 256 --input-len 1000 \
+      --output-len 1000 --json "$out/bench-llama-3.1-8b.json"
+    step bench-8b-mixed 200 python -m rollout.bench --preset llama-3.1-8b --num-prompts 256 --input-len 1000 \
+      --output-len 1000 --enable-mixed-chunk --json "$out/bench-llama-3.1-8b-mixed.json"
+    step logits-8b-mixed 300 python gpu_checks/check_logits.py --preset llama-3.1-8b --num-seqs 32 --tp-sizes 1 \
+      --enable-mixed-chunk --max-prefill-tokens 1024 ;;
+  rl-qwen)
+    step bench-qwen3-0.6b 150 python -m rollout.bench --preset qwen3-0.6b --random-range --num-prompts 256 \
+      --json "$out/bench-qwen3-0.6b.json"
+    step bench-qwen3-0.6b-mixed 150 python -m rollout.bench --preset qwen3-0.6b --random-range --num-prompts 256 \
+      --enable-mixed-chunk --json "$out/bench-qwen3-0.6b-mixed.json"
+    grpo=(python -m rollout.bench --preset qwen3-0.6b --workload grpo --n 8 --min-len 200 --max-len 800 --output-len 4096)
+    step grpo-qwen3-0.6b 150 "${grpo[@]}" --num-prompts 64 --output-median 1024 --json "$out/grpo-qwen3-0.6b.json"
+    step grpo-qwen3-0.6b-mixed 150 "${grpo[@]}" --num-prompts 64 --output-median 1024 --enable-mixed-chunk \
+      --json "$out/grpo-qwen3-0.6b-mixed.json"
+    step grpo-rl-steps-qwen3-0.6b 200 "${grpo[@]}" --num-prompts 32 --output-median 512 --rl-steps 3 \
+      --json "$out/grpo-rl-steps-qwen3-0.6b.json" ;;
   moe-bench)
     step bench-moe 570 python -m rollout.bench --preset qwen3-30b-a3b --load-format dummy --num-prompts 256 \
       --input-len 1000 --output-len 1000 --batch1-steps 64 --json "$out/bench-qwen3-30b-a3b.json" ;;
