@@ -4,8 +4,8 @@ The trainer's tensors live on the engine's GPU; a push is ``Engine.update_weight
 handles: no copy through the host, no process group). ``tensor``: plain tensors, the whole model in one call.
 ``fsdp2``: the trainer's model is FSDP2-sharded (one rank here), gathered bucket by bucket
 (``trainer_adapters.push_colocated``), as OpenRLHF's and verl's colocated paths do. The ceiling is one
-device copy of the same bytes (``dst.copy_(src)`` per tensor); the report gives GB/s (payload bytes per
-second) and checks the engine's fingerprint against the trainer's.
+device copy of the same bytes (``dst.copy_(src)`` per tensor, into one scratch buffer); the report gives GB/s
+(payload bytes per second) and checks the engine's fingerprint against the trainer's.
 """
 
 from __future__ import annotations
@@ -71,7 +71,10 @@ def _sync() -> None:
 def _copy_ceiling(named: list[tuple[str, Any]], repeats: int) -> list[float]:
     import torch
 
-    dsts = [torch.empty_like(t) for _, t in named]
+    # one scratch buffer of the largest tensor's size: a second copy of a 30B MoE's 61 GB would not fit beside
+    # the engine's and the trainer's
+    scratch = torch.empty(max(t.numel() for _, t in named), dtype=named[0][1].dtype, device=named[0][1].device)
+    dsts = [scratch[:t.numel()].view(t.shape) for _, t in named]
     times = []
     for _ in range(repeats + 1):
         _sync()

@@ -161,11 +161,16 @@ class _Rollout:
 
 
 def _wait_for_tail(engine: Any, worker: _Rollout, slots: int) -> None:
-    """Until the batch has fewer than a quarter of the slots' requests left (or has finished)."""
-    time.sleep(0.05)
+    """Until the batch, once at least a quarter of the slots' requests were in the engine, has fewer left (or
+    has finished). The first condition matters: right after ``generate`` is called its requests may not have
+    reached the scheduler yet, and an empty engine is not a tail."""
+    started = False
     while not worker.done:
         load = engine.get_load()
-        if load["running"] + load["waiting"] < slots / 4:
+        left = load["running"] + load["waiting"]
+        if left >= slots / 4:
+            started = True
+        elif started:
             return
         time.sleep(0.02)
 

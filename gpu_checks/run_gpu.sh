@@ -26,6 +26,7 @@
 #   bash gpu_checks/run_gpu.sh rl-8b     # Llama-3.1-8B shape: the bench without and with mixed chunks, mixed logits
 #   bash gpu_checks/run_gpu.sh rl-qwen   # Qwen3-0.6B shape: nano-vllm protocol and GRPO rollouts without and with
 #                                        # mixed chunks; GRPO RL steps drained and in flight
+#   bash gpu_checks/run_gpu.sh grpo-rl   # Qwen3-0.6B shape: the GRPO RL steps alone
 #   bash gpu_checks/run_gpu.sh moe-bench # Qwen3-30B-A3B shape (dummy weights): 256 x 1000 in / 1000 out, batch-1 step
 #   bash gpu_checks/run_gpu.sh moe-sync  # Qwen3-30B-A3B shape: same-GPU push of the trainer's fused expert tensors
 set -uo pipefail
@@ -44,6 +45,11 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, keep the log, say h
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, transformers, flashinfer, triton; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'flashinfer', flashinfer.__version__, 'triton', triton.__version__)"
+grpo=(python -m rollout.bench --preset qwen3-0.6b --workload grpo --n 8 --min-len 200 --max-len 800 --output-len 4096)
+grpo_rl_steps() {  # the GRPO RL loop, drained and in flight
+  step grpo-rl-steps-qwen3-0.6b 200 "${grpo[@]}" --num-prompts 32 --output-median 512 --rl-steps 3 \
+    --json "$out/grpo-rl-steps-qwen3-0.6b.json"
+}
 case "${1:?stage}" in
   kernels)
     step kernels 240 python gpu_checks/check_kernels.py
@@ -137,12 +143,12 @@ num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, initializer_
       --json "$out/bench-qwen3-0.6b.json"
     step bench-qwen3-0.6b-mixed 150 python -m rollout.bench --preset qwen3-0.6b --random-range --num-prompts 256 \
       --enable-mixed-chunk --json "$out/bench-qwen3-0.6b-mixed.json"
-    grpo=(python -m rollout.bench --preset qwen3-0.6b --workload grpo --n 8 --min-len 200 --max-len 800 --output-len 4096)
     step grpo-qwen3-0.6b 150 "${grpo[@]}" --num-prompts 64 --output-median 1024 --json "$out/grpo-qwen3-0.6b.json"
     step grpo-qwen3-0.6b-mixed 150 "${grpo[@]}" --num-prompts 64 --output-median 1024 --enable-mixed-chunk \
       --json "$out/grpo-qwen3-0.6b-mixed.json"
-    step grpo-rl-steps-qwen3-0.6b 200 "${grpo[@]}" --num-prompts 32 --output-median 512 --rl-steps 3 \
-      --json "$out/grpo-rl-steps-qwen3-0.6b.json" ;;
+    grpo_rl_steps ;;
+  grpo-rl)
+    grpo_rl_steps ;;
   moe-bench)
     step bench-moe 570 python -m rollout.bench --preset qwen3-30b-a3b --load-format dummy --num-prompts 256 \
       --input-len 1000 --output-len 1000 --batch1-steps 64 --json "$out/bench-qwen3-30b-a3b.json" ;;
