@@ -177,3 +177,21 @@ def test_a_prompt_that_fits_a_batch_is_not_split_across_two(path, hf_reference):
                    max_prefill_tokens=24, chunked_prefill_size=24)
     hf = hf_reference(path)
     assert [o[0] for o in outs] == [hf.greedy(p, 3) for p in prompts]
+
+
+def test_load_counts_the_requests_whose_prefill_is_in_flight(path):
+    """``get_load``'s running + waiting counts every unfinished request, also while the extend step that
+    admits some of them is in flight (they are then neither waiting nor yet running); the GRPO bench's
+    in-flight loop reads it to find a batch's tail."""
+    prompts = prompts_of_lengths([10, 12, 9, 30, 11], seed=45)
+    sched = _scheduler(path, True, max_prefill_tokens=24, chunked_prefill_size=16)
+    for i, p in enumerate(prompts):
+        sched.handle(GenerateReq(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True),
+                                 seed=0))
+    seen = []
+    while sched.busy:
+        sched.step()
+        if sched.in_flight is not None and sched.in_flight.inputs.mode.value == "extend":
+            load = sched.get_load()
+            seen.append(load["running"] + load["waiting"])
+    assert len(seen) >= 3 and set(seen) == {len(prompts)}  # no request finishes within 4 tokens of prefill

@@ -253,6 +253,12 @@ class Scheduler:
     def _extend_in_flight(self) -> bool:
         return self.in_flight is not None and self.in_flight.inputs.mode == ForwardMode.EXTEND
 
+    def _num_admitted(self) -> int:
+        """Admitted, unfinished requests: running, the chunked one, and those whose prefill is in flight."""
+        counted = {id(r) for r in self.running} | {id(self.prefill.chunked)}
+        starting = sum(id(r) not in counted for r in self._in_flight_prefilled())
+        return len(self.running) + (self.prefill.chunked is not None) + starting
+
     def _in_flight_prefilled(self) -> list[Req]:
         """Requests whose prefill completes in the extend step in flight (running once it is read)."""
         return self.in_flight.sampled if self._extend_in_flight() else []
@@ -339,7 +345,7 @@ class Scheduler:
 
     def get_load(self, req: Any = None) -> dict[str, Any]:
         """Counters for ``Engine.get_server_info`` and the HTTP server's /metrics (cumulative totals)."""
-        return {"running": len(self.running) + (self.prefill.chunked is not None), "waiting": len(self.waiting),
+        return {"running": self._num_admitted(), "waiting": len(self.waiting),
                 "kv_used": self.cache.used, "kv_total": self.cache.num_slots, "retractions": self.stats.retractions,
                 "cached_tokens": self.cache.tree.total_size, "prefill_tokens": self.stats.prefill_tokens,
                 "gen_tokens": self.stats.gen_tokens, "weight_version": self.weights.weight_version}
