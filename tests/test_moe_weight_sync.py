@@ -56,3 +56,25 @@ def test_rollout_smoke_passes_on_moe_checkpoints(variant, mode, tp, tiny_dir, ca
     assert main(["--model", moe_path(tiny_dir, variant), "--mode", mode, "--tp-size", str(tp)]) == 0
     out = capsys.readouterr().out
     assert "OK: all checks passed" in out and ("MixtralForCausalLM" if variant == "mixtral" else "Qwen3MoeForCausalLM") in out
+
+
+def test_fused_gate_up_halves_merge_into_one_copy_only_where_they_continue_each_other():
+    """``merge_adjacent``: at TP=1 the gate and up halves of a fused [E, 2I, H] tensor are one copy of the
+    whole tensor; a TP rank's halves (apart in the sent tensor) and views that do not touch stay separate."""
+    from rollout.layers.linear import ShardSpec
+    from rollout.weights.weight_map import merge_adjacent
+
+    e, inter, h = 3, 4, 5
+    w13 = torch.zeros(e, 2 * inter, h)
+    tp1 = [(w13.narrow(1, 0, inter), ShardSpec(1, 0, inter)), (w13.narrow(1, inter, inter), ShardSpec(1, inter, inter))]
+    [(view, spec)] = merge_adjacent(tp1)
+    sent = torch.randn(e, 2 * inter, h)
+    view.copy_(spec.take(sent))
+    assert spec == ShardSpec(1, 0, 2 * inter) and torch.equal(w13, sent)
+
+    n = inter // 2  # rank 0 of TP=2: gate rows [0, n), up rows [I, I + n) of the sent tensor
+    local = torch.zeros(e, 2 * n, h)
+    tp2 = [(local.narrow(1, 0, n), ShardSpec(1, 0, n)), (local.narrow(1, n, n), ShardSpec(1, inter, n))]
+    assert len(merge_adjacent(tp2)) == 2
+    apart = [(w13.narrow(1, 0, 1), ShardSpec(1, 0, 1)), (w13.narrow(1, 2, 1), ShardSpec(1, 1, 1))]
+    assert len(merge_adjacent(apart)) == 2

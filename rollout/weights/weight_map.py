@@ -195,7 +195,8 @@ class HFWeightMap:
             for name in names:
                 resolved = self.resolve_all(name)
                 plain = all(param.weight_loader is load_shard for param, _ in resolved)
-                targets.append([param.shard_view(param, shard) for param, shard in resolved] if plain else None)
+                targets.append(merge_adjacent([param.shard_view(param, shard) for param, shard in resolved])
+                               if plain else None)
             self._targets = (names, targets)
         return self._targets[1]
 
@@ -229,3 +230,25 @@ class HFWeightMap:
             if getattr(param, "scale", None) is not None:
                 out[scale_name(name)] = (shape[0],)
         return out
+
+
+def merge_adjacent(targets: list[tuple[torch.Tensor, Any]]) -> list[tuple[torch.Tensor, Any]]:
+    """Join consecutive (view, ShardSpec) copy targets that continue each other along one dimension, both in
+    the parameter and in the sent tensor, into one copy: a fused expert ``gate_up_proj`` at TP=1 lands as one
+    copy of the whole tensor instead of two strided halves (at TP>1 its halves are apart in the sent tensor)."""
+    from rollout.layers.linear import ShardSpec
+
+    out = list(targets[:1])
+    for view, spec in targets[1:]:
+        prev, pspec = out[-1]
+        d = spec.dim
+        if (d is not None and pspec.dim == d and spec.start == pspec.start + pspec.length
+                and view.dim() == prev.dim() and view.stride() == prev.stride()
+                and all(a == b for i, (a, b) in enumerate(zip(view.shape, prev.shape)) if i != d)
+                and view.data_ptr() == prev.data_ptr() + prev.shape[d] * prev.stride(d) * prev.element_size()):
+            shape = list(prev.shape)
+            shape[d] += view.shape[d]
+            out[-1] = (prev.as_strided(shape, prev.stride()), ShardSpec(d, pspec.start, pspec.length + spec.length))
+        else:
+            out.append((view, spec))
+    return out
