@@ -145,10 +145,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     mb = model_bytes(cfg, args.tp_size, model_dtype.itemsize, kv_dtype.itemsize, args.quantization)
     report = build_report(args, model_path, device, dtype, work, engine, mb, bandwidth, hf)
     print(format_report(report), flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    _write_json(args.json, report)
     return 0
+
+
+def _write_json(path: str | None, report: dict) -> None:
+    """Write ``--json`` (when given)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def _main_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str) -> int:
@@ -157,9 +162,7 @@ def _main_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: st
 
     report = run_grpo(args, model_path, device, dtype, engine_options(args))
     print(format_grpo(report), flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    _write_json(args.json, report)
     return 0
 
 

@@ -23,7 +23,7 @@ def run(args: argparse.Namespace, model_path: str, device: str) -> dict[str, Any
 
     with Engine(model_path, dtype=args.dtype, device=device, max_total_tokens=1024, skip_tokenizer_init=True,
                 load_format="auto" if args.model else "dummy") as engine:
-        named = _trainer_tensors(model_path, device, getattr(torch, args.dtype))
+        named = trainer_tensors(model_path, device, getattr(torch, args.dtype))
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         out: dict[str, Any] = {"bytes": nbytes, "tensors": len(named), "copy_s": _copy_ceiling(named, args.repeats)}
         if args.colocated == "tensor":
@@ -50,7 +50,9 @@ def report(r: dict[str, Any], mode: str) -> str:
         f"  fingerprints equal after the pushes: {r['fingerprint_equal']}"])
 
 
-def _trainer_tensors(model_path: str, device: str, dtype: Any) -> list[tuple[str, Any]]:
+def trainer_tensors(model_path: str, device: str, dtype: Any) -> list[tuple[str, Any]]:
+    """A trainer's parameters for the model at ``model_path`` on ``device``: transformers 5's names and shapes
+    (``trainer_hf_shapes``), random (std 0.02, drawn in float32 from seed 0) in ``dtype``."""
     import torch
 
     from rollout.config import ModelConfig

@@ -218,12 +218,9 @@ def _pusher(engine: Any, model_path: str, device: str, dtype: str) -> Any:
     """A push of random weights with the model's shapes (transformers' naming), as a colocated trainer's."""
     import torch
 
-    from rollout.config import ModelConfig
-    from rollout.weights.weight_map import trainer_hf_shapes
+    from benchmarks.colocated_push import trainer_tensors
 
-    gen = torch.Generator(device=device).manual_seed(0)
-    named = [(n, (torch.randn(s, generator=gen, device=device) * 0.02).to(getattr(torch, dtype)))
-             for n, s in trainer_hf_shapes(ModelConfig.from_path(model_path)).items()]
+    named = trainer_tensors(model_path, device, getattr(torch, dtype))
     return lambda: engine.update_weights_from_tensor(named)
 
 

@@ -24,7 +24,7 @@ def main() -> int:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from benchmarks.colocated_push import _module_of, _trainer_tensors
+    from benchmarks.colocated_push import _module_of, trainer_tensors
     from benchmarks.presets import write_preset
     from rollout import Engine
     from rollout.ipc import free_port
@@ -34,7 +34,7 @@ def main() -> int:
     with Engine(path, dtype="bfloat16", device="cuda", max_total_tokens=1024, skip_tokenizer_init=True,
                 load_format="dummy") as engine:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-        module = _module_of(_trainer_tensors(path, "cuda", torch.bfloat16))
+        module = _module_of(trainer_tensors(path, "cuda", torch.bfloat16))
         for child in module.children():
             fully_shard(child)
         fully_shard(module)

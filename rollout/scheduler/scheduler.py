@@ -253,6 +253,10 @@ class Scheduler:
     def _extend_in_flight(self) -> bool:
         return self.in_flight is not None and self.in_flight.inputs.mode == ForwardMode.EXTEND
 
+    def _chunked_reqs(self) -> list[Req]:
+        """The request whose prompt is partly computed, as a list (empty when none)."""
+        return [self.prefill.chunked] if self.prefill.chunked is not None else []
+
     def _num_admitted(self) -> int:
         """Admitted, unfinished requests: running, the chunked one, and those whose prefill is in flight."""
         counted = {id(r) for r in self.running} | {id(self.prefill.chunked)}
@@ -313,18 +317,20 @@ class Scheduler:
         while reason is not None and self.waiting:
             req = self.waiting.popleft()
             self.outputs.finish(req, FinishReason("abort", message=reason, error_type="RuntimeError"))
-        if reason is not None and self.weights.updater.state == "inconsistent" and (self.running or self.prefill.chunked):
+        if reason is None or self.weights.updater.state != "inconsistent":
+            return
+        started = list(self.running) + self._chunked_reqs()
+        if started:
             self.sync()
-            chunked = [self.prefill.chunked] if self.prefill.chunked is not None else []
-            for req in list(self.running) + chunked:
-                self.abort(req.rid, FinishReason("abort", message=reason, error_type="RuntimeError"))
+        for req in started:
+            self.abort(req.rid, FinishReason("abort", message=reason, error_type="RuntimeError"))
 
     def pause_generation(self, req: PauseGenerationReq) -> bool:
         """Hold new requests; running ones are aborted, retracted (re-run later) or kept in place."""
         if req.mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {req.mode!r}")
         self.paused = req.mode
-        chunked = [self.prefill.chunked] if self.prefill.chunked is not None else []
+        chunked = self._chunked_reqs()
         if req.mode == "abort":
             for r in list(self.waiting) + list(self.running) + chunked:
                 self.abort(r.rid)
