@@ -3,6 +3,7 @@ engine actor driven directly (the GPU machine's path) checked against transforme
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -249,8 +250,14 @@ def _gather_rows_rank(rank: int, port: int, result_path: str) -> None:
         if rank == 0:
             torch.save({"equal": [torch.equal(a, b) for a, b in zip(gathered, fulls)],
                         "dtypes": [str(g.dtype) for g in gathered]}, result_path)
+        del mesh, gathered
     finally:
         dist.destroy_process_group()
+        # The gloo group's worker threads must be joined before the interpreter finalizes: a worker that
+        # drops its last reference to a collective's tensor then needs the GIL, and a thread taking the
+        # GIL during finalization is ended by pthread_exit, which std::terminate()s through C++ frames
+        # (SIGABRT, ~1 run in 4 on torch 2.13). Freeing the group here joins them.
+        gc.collect()
 
 
 def test_fsdp2_bucket_gather_matches_full_tensors(tmp_path):
