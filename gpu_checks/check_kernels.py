@@ -3,6 +3,8 @@ Triton's CPU interpreter).   python gpu_checks/check_kernels.py
 
 rope: ``rope_and_store_kv`` vs ``RotaryEmbedding`` + ``KVPool.set_kv`` (bf16; Llama-3.1-8B and Qwen3 head
 shapes; decode T=1/256 and a prefill chunk T=8192).
+qk-norm: ``rope_and_store_kv`` with Qwen3's q/k norm weights vs the engine's previous fused path (FlashInfer's
+RMSNorm on q and on k, then the rope kernel) and vs the torch RMSNorm path, Qwen3-0.6B heads.
 sampling: ``fused_sample`` vs the torch ``Sampler`` on the same [B, V] logits (temperature rows with
 raw and processed logprobs, greedy rows): identical tokens expected except at float near-ties.
 """
@@ -61,6 +63,45 @@ def check_rope() -> None:
                   f"torch {_time_ms(torch_path):.4f} ms, triton {_time_ms(fused_path):.4f} ms", flush=True)
 
 
+def check_qk_norm_rope() -> None:
+    from rollout.layers.norm import RMSNorm
+    from rollout.layers.rotary import RotaryEmbedding, rope_inv_freq
+    from rollout.kernels.rope import rope_and_store_kv
+    from rollout.mem_cache.kv_pool import KVPool
+
+    dev, dtype, (hq, hk, d) = torch.device("cuda"), torch.bfloat16, (16, 8, 128)
+    inv, _ = rope_inv_freq({}, {"rope_type": "default", "rope_theta": 1000000.0}, d)
+    rotary = RotaryEmbedding(d, 8192, inv, 1.0, dtype, dev)
+    norms = [RMSNorm(d, 1e-6, dtype, dev, fused=f) for f in (False, True)]
+    for n in norms:
+        n.weight.data.copy_(torch.rand(d, device=dev) + 0.5)
+    torch_norm, fi_norm = norms
+    for t in (1, 256, 8192):
+        qkv = torch.randn(t, (hq + 2 * hk) * d, device=dev, dtype=dtype) * 3
+        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
+        pos = torch.randint(0, 8192, (t,), device=dev)
+        loc = torch.randperm(16384, device=dev)[:t] + 1
+        pools = [KVPool(16384, 1, hk, d, dtype, dev) for _ in range(3)]
+
+        def unfused(norm, pool):  # two norms (and the copies of the strided q/k views), then the rope kernel
+            return rope_and_store_kv(norm(q), norm(k), v, pos, rotary.cos_cache, rotary.sin_cache,
+                                     pool.k_buffers[0], pool.v_buffers[0], loc)
+
+        def fused():
+            return rope_and_store_kv(q, k, v, pos, rotary.cos_cache, rotary.sin_cache, pools[2].k_buffers[0],
+                                     pools[2].v_buffers[0], loc, q_norm_weight=torch_norm.weight,
+                                     k_norm_weight=torch_norm.weight, norm_eps=1e-6)
+
+        outs = [unfused(torch_norm, pools[0]), unfused(fi_norm, pools[1]), fused()]
+        for name, i in (("torch norms", 0), ("FlashInfer norms", 1)):
+            err = max((outs[2].float() - outs[i].float()).abs().max().item(),
+                      (pools[2].k_buffers[0][loc].float() - pools[i].k_buffers[0][loc].float()).abs().max().item())
+            print(f"qk-norm+rope T={t:5d}: fused vs {name} + rope: max |Δ| {err:.3e}", flush=True)
+        print(f"qk-norm+rope T={t:5d}: FlashInfer norms + rope {_time_ms(lambda: unfused(fi_norm, pools[1])):.4f} ms, "
+              f"fused {_time_ms(fused):.4f} ms", flush=True)
+
+
 def check_sampling() -> None:
     from rollout.layers.sampler import Sampler
     from rollout.layers.sampling_info import SamplingBatchInfo, SamplingRow
@@ -88,4 +129,5 @@ def check_sampling() -> None:
 if __name__ == "__main__":
     torch.manual_seed(0)
     check_rope()
+    check_qk_norm_rope()
     check_sampling()

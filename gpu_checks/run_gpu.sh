@@ -4,6 +4,7 @@
 # (or ./gpu_out).
 #   bash gpu_checks/run_gpu.sh kernels   # Triton kernels, FlashInfer vs torch attention, a small model vs HF
 #   bash gpu_checks/run_gpu.sh qwen      # Qwen3-0.6B shape, nano-vllm protocol
+#   bash gpu_checks/run_gpu.sh qwen-logits  # Qwen3-0.6B shape (q/k norm fused into the rope kernel): logits vs HF
 #   bash gpu_checks/run_gpu.sh hf        # Llama-3.2-1B shape vs transformers generate
 #   bash gpu_checks/run_gpu.sh 8b-logits # Llama-3.1-8B shape: teacher-forced logits vs transformers
 #   bash gpu_checks/run_gpu.sh 8b-bench  # Llama-3.1-8B shape: 256 x 1000 in / 1000 out, batch-1 step
@@ -29,6 +30,7 @@
 #   bash gpu_checks/run_gpu.sh grpo-rl   # Qwen3-0.6B shape: the GRPO RL steps alone
 #   bash gpu_checks/run_gpu.sh moe-bench # Qwen3-30B-A3B shape (dummy weights): 256 x 1000 in / 1000 out, batch-1 step
 #   bash gpu_checks/run_gpu.sh moe-sync  # Qwen3-30B-A3B shape: same-GPU push of the trainer's fused expert tensors
+#   bash gpu_checks/run_gpu.sh corun     # prefill GEMMs and decode attention on two streams: do they overlap?
 set -uo pipefail
 out=${OUT:-gpu_out}
 mkdir -p "$out"
@@ -58,6 +60,9 @@ case "${1:?stage}" in
   qwen)
     step bench-qwen3-0.6b 540 python -m rollout.bench --preset qwen3-0.6b --random-range --num-prompts 256 \
       --batch1-steps 64 --json "$out/bench-qwen3-0.6b.json" ;;
+  qwen-logits)
+    step preset-qwen3-0.6b 120 python -c "from benchmarks.presets import write_preset; print(write_preset('qwen3-0.6b'))"
+    step logits-qwen3-0.6b 300 python gpu_checks/check_logits.py --preset qwen3-0.6b --num-seqs 32 --tp-sizes 1 ;;
   hf)
     step bench-llama-3.2-1b-hf 560 python -m rollout.bench --preset llama-3.2-1b --num-prompts 256 --input-len 128 \
       --output-len 256 --hf-baseline --json "$out/bench-llama-3.2-1b-hf.json" ;;
@@ -154,5 +159,8 @@ num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, initializer_
       --input-len 1000 --output-len 1000 --batch1-steps 64 --json "$out/bench-qwen3-30b-a3b.json" ;;
   moe-sync)
     step push-colocated-moe 300 python -m weight_sync.bench --preset qwen3-30b-a3b --colocated tensor --repeats 4 ;;
+  corun)
+    step corun 120 python tools/exp_corun.py
+    step corun-b64 120 python tools/exp_corun.py --batch 64 ;;
   *) echo "unknown stage $1"; exit 2 ;;
 esac

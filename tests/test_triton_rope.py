@@ -164,3 +164,42 @@ def test_k_out_gets_rope_k_unrounded_beside_a_float8_pool(model_dtype):
     with pytest.raises(ValueError, match="k_out"):
         rope_and_store_kv(q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_buf, v_buf, loc,
                           k_out=k_out[:, :1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,hq,hk,head_dim", [(37, 4, 2, 128), (3, 40, 20, 128), (5, 8, 8, 64)])
+def test_qk_norm_fused_before_rope(dtype, t, hq, hk, head_dim):
+    """Qwen3's q/k norm in the kernel: rope(RMSNorm(q)) and rope(RMSNorm(k)) as the torch path computes the
+    norms (RMSNorm's float32 statistics and two roundings), k into the pool and k_out, v copied untouched."""
+    from rollout.layers.norm import RMSNorm
+
+    eps = 1e-6
+    rotary = make_rotary(head_dim, dtype)
+    q, k, v, positions, loc, k_buf, v_buf = make_case(t, hq, hk, head_dim, dtype, seed=hq * 7 + t)
+    q, k = q * 3, k * 0.25  # statistics away from 1, so a missing norm shows
+    gen = torch.Generator().manual_seed(t)
+    q_norm, k_norm = RMSNorm(head_dim, eps, dtype, DEVICE), RMSNorm(head_dim, eps, dtype, DEVICE)
+    q_norm.weight.data.copy_(torch.rand(head_dim, generator=gen) + 0.5)
+    k_norm.weight.data.copy_(torch.rand(head_dim, generator=gen) + 0.5)
+    k_out = torch.full(k.shape, SENTINEL, dtype=dtype, device=DEVICE)
+    q_out = rope_and_store_kv(q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_buf, v_buf, loc,
+                              k_out=k_out, q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, norm_eps=eps)
+    q_ref, k_ref = reference(rotary, positions, q_norm(q), k_norm(k), dtype)
+    torch.testing.assert_close(q_out, q_ref, **tolerances(dtype))
+    torch.testing.assert_close(k_buf[loc], k_ref, **tolerances(dtype))
+    torch.testing.assert_close(k_out, k_ref, **tolerances(dtype))
+    torch.testing.assert_close(v_buf[loc], v, atol=0, rtol=0)
+    unnormed, _ = reference(rotary, positions, q, k, dtype)
+    assert (q_out.float() - unnormed.float()).abs().max() > 0.5
+
+
+def test_qk_norm_weights_checked():
+    hq, hk, d, t, dtype = 4, 2, 64, 3, torch.float32
+    rotary = make_rotary(d, dtype)
+    q, k, v, positions, loc, k_buf, v_buf = make_case(t, hq, hk, d, dtype, seed=1)
+    w = torch.ones(d, device=DEVICE)
+    args = (q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_buf, v_buf, loc)
+    with pytest.raises(ValueError, match="both"):
+        rope_and_store_kv(*args, q_norm_weight=w)
+    with pytest.raises(ValueError, match="norm weights"):
+        rope_and_store_kv(*args, q_norm_weight=w, k_norm_weight=torch.ones(d + 2, device=DEVICE))

@@ -42,20 +42,23 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         q = q.reshape(t, -1, self.head_dim)
         k = k.reshape(t, -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused:  # one Triton kernel: rope on q and k, k and v written into the KV pool
+        if self.fused:  # one Triton kernel: q/k norm and rope on q and k, k and v written into the KV pool
             from rollout.kernels.rope import rope_and_store_kv
 
             pool, layer = batch.kv_pool, self.attn.layer_id
             v = v.reshape(t, -1, self.head_dim)
             fresh = batch.attn_backend.wants_fresh_kv(batch)
             k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if fresh else None
+            norms = {} if self.q_norm is None else dict(
+                q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight, norm_eps=self.q_norm.eps)
             q = rope_and_store_kv(q, k, v, positions, self.rotary.cos_cache, self.rotary.sin_cache,
-                                  pool.k_buffers[layer], pool.v_buffers[layer], batch.out_cache_loc, k_out=k_out)
+                                  pool.k_buffers[layer], pool.v_buffers[layer], batch.out_cache_loc, k_out=k_out,
+                                  **norms)
             if fresh:
                 return self.o_proj(self.attn(q, k_out, v.contiguous(), batch, kv_stored=True))
             return self.o_proj(self.attn(q, None, None, batch))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, batch))
 
