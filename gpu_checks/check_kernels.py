@@ -29,6 +29,18 @@ def _time_ms(fn, repeats: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _graph_time_ms(fn, calls: int = 28) -> float:
+    """GPU time of one ``fn`` in ms, replayed inside a CUDA graph of ``calls`` back-to-back calls (a decode
+    step's layers; no launch overhead, as the engine's decode graph runs it)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return _time_ms(g.replay, repeats=20) / calls
+
+
 def check_rope() -> None:
     from rollout.layers.rotary import RotaryEmbedding, rope_inv_freq
     from rollout.kernels.rope import rope_and_store_kv
@@ -66,17 +78,20 @@ def check_rope() -> None:
 def check_qk_norm_rope() -> None:
     from rollout.layers.norm import RMSNorm
     from rollout.layers.rotary import RotaryEmbedding, rope_inv_freq
+    from rollout.kernels import rope as rope_mod
     from rollout.kernels.rope import rope_and_store_kv
     from rollout.mem_cache.kv_pool import KVPool
 
     dev, dtype, (hq, hk, d) = torch.device("cuda"), torch.bfloat16, (16, 8, 128)
     inv, _ = rope_inv_freq({}, {"rope_type": "default", "rope_theta": 1000000.0}, d)
     rotary = RotaryEmbedding(d, 8192, inv, 1.0, dtype, dev)
-    norms = [RMSNorm(d, 1e-6, dtype, dev, fused=f) for f in (False, True)]
-    for n in norms:
-        n.weight.data.copy_(torch.rand(d, device=dev) + 0.5)
-    torch_norm, fi_norm = norms
-    for t in (1, 256, 8192):
+    weights = [torch.rand(d, device=dev) + 0.5 for _ in range(2)]  # q's and k's, the same in every path
+    torch_norms, fi_norms = ([RMSNorm(d, 1e-6, dtype, dev, fused=f) for _ in range(2)] for f in (False, True))
+    for n, w in [*zip(torch_norms, weights), *zip(fi_norms, weights)]:
+        n.weight.data.copy_(w)
+    weights_dt = [w.to(dtype) for w in weights]
+    default_tile = rope_mod._TILE_ELEMS
+    for t in (1, 32, 256, 8192):
         qkv = torch.randn(t, (hq + 2 * hk) * d, device=dev, dtype=dtype) * 3
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
         q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
@@ -84,22 +99,34 @@ def check_qk_norm_rope() -> None:
         loc = torch.randperm(16384, device=dev)[:t] + 1
         pools = [KVPool(16384, 1, hk, d, dtype, dev) for _ in range(3)]
 
-        def unfused(norm, pool):  # two norms (and the copies of the strided q/k views), then the rope kernel
-            return rope_and_store_kv(norm(q), norm(k), v, pos, rotary.cos_cache, rotary.sin_cache,
+        def unfused(norms, pool):  # two norms (and the copies of the strided q/k views), then the rope kernel
+            return rope_and_store_kv(norms[0](q), norms[1](k), v, pos, rotary.cos_cache, rotary.sin_cache,
                                      pool.k_buffers[0], pool.v_buffers[0], loc)
 
         def fused():
             return rope_and_store_kv(q, k, v, pos, rotary.cos_cache, rotary.sin_cache, pools[2].k_buffers[0],
-                                     pools[2].v_buffers[0], loc, q_norm_weight=torch_norm.weight,
-                                     k_norm_weight=torch_norm.weight, norm_eps=1e-6)
+                                     pools[2].v_buffers[0], loc, q_norm_weight=torch_norms[0].weight,
+                                     k_norm_weight=torch_norms[1].weight, norm_eps=1e-6)
 
-        outs = [unfused(torch_norm, pools[0]), unfused(fi_norm, pools[1]), fused()]
+        outs = [unfused(torch_norms, pools[0]), unfused(fi_norms, pools[1]), fused()]
         for name, i in (("torch norms", 0), ("FlashInfer norms", 1)):
             err = max((outs[2].float() - outs[i].float()).abs().max().item(),
                       (pools[2].k_buffers[0][loc].float() - pools[i].k_buffers[0][loc].float()).abs().max().item())
             print(f"qk-norm+rope T={t:5d}: fused vs {name} + rope: max |Δ| {err:.3e}", flush=True)
-        print(f"qk-norm+rope T={t:5d}: FlashInfer norms + rope {_time_ms(lambda: unfused(fi_norm, pools[1])):.4f} ms, "
-              f"fused {_time_ms(fused):.4f} ms", flush=True)
+        out = torch.empty_like(outs[2])  # graph-safe: q_out given
+        graph_unfused = _graph_time_ms(lambda: rope_and_store_kv(
+            fi_norms[0](q), fi_norms[1](k), v, pos, rotary.cos_cache, rotary.sin_cache, pools[1].k_buffers[0],
+            pools[1].v_buffers[0], loc, q_out=out))
+        tiles = []
+        for tile in (2048, 1024, 512, 256):  # heads * head_dim per program
+            rope_mod._TILE_ELEMS = tile
+            us = _graph_time_ms(lambda: rope_and_store_kv(
+                q, k, v, pos, rotary.cos_cache, rotary.sin_cache, pools[2].k_buffers[0], pools[2].v_buffers[0],
+                loc, q_out=out, q_norm_weight=weights_dt[0], k_norm_weight=weights_dt[1])) * 1e3
+            tiles.append(f"tile {tile} {us:.1f} us")
+        rope_mod._TILE_ELEMS = default_tile
+        print(f"qk-norm+rope T={t:5d}, in a CUDA graph: FlashInfer norms + rope {graph_unfused * 1e3:.1f} us; "
+              f"fused {', '.join(tiles)}", flush=True)
 
 
 def check_sampling() -> None:

@@ -30,7 +30,7 @@
 #   bash gpu_checks/run_gpu.sh grpo-rl   # Qwen3-0.6B shape: the GRPO RL steps alone
 #   bash gpu_checks/run_gpu.sh moe-bench # Qwen3-30B-A3B shape (dummy weights): 256 x 1000 in / 1000 out, batch-1 step
 #   bash gpu_checks/run_gpu.sh moe-sync  # Qwen3-30B-A3B shape: same-GPU push of the trainer's fused expert tensors
-#   bash gpu_checks/run_gpu.sh corun     # prefill GEMMs and decode attention on two streams: do they overlap?
+#   bash gpu_checks/run_gpu.sh corun     # prefill (and decode-batch) GEMMs vs decode attention on two streams, with SM carveouts
 set -uo pipefail
 out=${OUT:-gpu_out}
 mkdir -p "$out"
@@ -161,6 +161,7 @@ num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, initializer_
     step push-colocated-moe 300 python -m weight_sync.bench --preset qwen3-30b-a3b --colocated tensor --repeats 4 ;;
   corun)
     step corun 120 python tools/exp_corun.py
-    step corun-b64 120 python tools/exp_corun.py --batch 64 ;;
+    step corun-b64 120 python tools/exp_corun.py --batch 64
+    step corun-decode-gemm 120 python tools/exp_corun.py --tokens 256 ;;
   *) echo "unknown stage $1"; exit 2 ;;
 esac

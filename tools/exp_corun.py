@@ -1,14 +1,15 @@
 """Can a prefill chunk's compute-bound work hide under the memory-bound decode step on one GPU? Two CUDA
 streams, each replaying its own CUDA graph, timed alone and together (NanoFlow's premise).
 
-    python tools/exp_corun.py [--tokens 8192] [--batch 256] [--context 1500]
+    python tools/exp_corun.py [--tokens 8192] [--batch 256] [--context 1500] [--gemm-sm-carveout 0,16,32]
 
 Stream A: the Llama-3.1-8B MLP and QKV/O projections of a prefill chunk (``--tokens`` rows, bf16 GEMMs,
 compute-bound). Stream B: decode attention of one 8B layer over a bf16 paged KV pool at ``--batch``
 requests of ``--context`` tokens (the engine's Triton kernel, memory-bound), repeated so both streams run
 for about as long. Prints each alone, both at once, and ``overlap = (alone_A + alone_B) / together``
-(1.0: they only take turns; 2.0: perfect overlap). The engine does not run prefill and decode this way
-(docs/rl_rollouts.md); this measures whether it would pay.
+(1.0: they only take turns; 2.0: perfect overlap), for each ``--gemm-sm-carveout`` (the GEMMs captured
+with that many SMs left to the other stream, NanoFlow's SM partitioning), also against A on all SMs.
+The engine does not run prefill and decode this way (docs/rl_rollouts.md); this measures whether it would pay.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=1500)
+    p.add_argument("--gemm-sm-carveout", default="0,16,32,48,66",
+                   help="SMs the prefill GEMMs leave free (cuBLAS SM count target), comma-separated; 0 first")
     args = p.parse_args()
     from rollout.kernels.decode_attention import decode_attention, num_kv_splits
 
@@ -59,11 +62,16 @@ def main() -> None:
     w_gu = torch.randn(2 * inter, h, device=dev, dtype=dt) * 0.02
     w_down = torch.randn(h, inter, device=dev, dtype=dt) * 0.02
 
+    bias = {n: torch.zeros(n, device=dev, dtype=dt) for n in {(hq + 2 * hk) * d, h, 2 * inter}}
+
+    def lin(a, w):  # addmm with a (zero) bias: cuBLASLt, which honors the SM carveout (plain `@` may not)
+        return torch.addmm(bias[w.shape[0]], a, w.t())
+
     def prefill_layer():
-        qkv = x @ w_qkv.t()
-        o = qkv[:, :hq * d] @ w_o.t()
-        gu = o @ w_gu.t()
-        return (gu[:, :inter] * gu[:, inter:]) @ w_down.t()
+        qkv = lin(x, w_qkv)
+        o = lin(qkv[:, :hq * d], w_o)
+        gu = lin(o, w_gu)
+        return lin(gu[:, :inter] * gu[:, inter:], w_down)
 
     slots = args.batch * args.context
     k_buf = torch.randn(slots + 1, hk, d, device=dev, dtype=dt)
@@ -78,32 +86,40 @@ def main() -> None:
         decode_attention(q, k_buf, v_buf, indptr, indices, d ** -0.5, splits, out=out)
 
     sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
-    ga, gb = _graph(prefill_layer, sa), _graph(decode_layer, sb)
-
-    def launch(graph_reps: list[tuple[torch.cuda.CUDAGraph, torch.cuda.Stream, int]]) -> None:
-        """Replay each graph ``reps`` times on its own stream, all after and before the current stream."""
-        cur = torch.cuda.current_stream()
-        for g, stream, reps in graph_reps:
-            stream.wait_stream(cur)
-            with torch.cuda.stream(stream):
-                for _ in range(reps):
-                    g.replay()
-        for _, stream, _ in graph_reps:
-            cur.wait_stream(stream)
-
-    t_a1, t_b1 = _time(lambda: launch([(ga, sa, 1)])), _time(lambda: launch([(gb, sb, 1)]))
-    reps_a = 4
-    reps_b = reps_a * max(1, round(t_a1 / t_b1))
+    gb = _graph(decode_layer, sb)
     kv_gb = 2 * slots * hk * d * 2 / 1e9
     flops = 2 * args.tokens * h * ((hq + 2 * hk) * d) + 2 * args.tokens * hq * d * h + 2 * args.tokens * h * 3 * inter
-    t_a, t_b = _time(lambda: launch([(ga, sa, reps_a)])), _time(lambda: launch([(gb, sb, reps_b)]))
-    t_ab = _time(lambda: launch([(ga, sa, reps_a), (gb, sb, reps_b)]))
+    t_b1 = _time(lambda: _launch([(gb, sb, 1)]))
     print(f"{torch.cuda.get_device_name(dev)}; prefill: {args.tokens} tokens x one 8B layer's GEMMs "
-          f"({flops / 1e12:.2f} TFLOP, {flops / t_a1 / 1e9:.0f} TFLOP/s alone); decode attention: batch {args.batch} x "
-          f"{args.context} tokens, {splits} splits ({kv_gb:.2f} GB, {kv_gb / t_b1:.2f} TB/s alone)")
-    print(f"A = {reps_a} prefill layers: {t_a:.3f} ms alone; B = {reps_b} decode layers: {t_b:.3f} ms alone; "
-          f"together {t_ab:.3f} ms; overlap (A + B) / together = {(t_a + t_b) / t_ab:.2f}")
+          f"({flops / 1e12:.2f} TFLOP); decode attention: batch {args.batch} x {args.context} tokens, {splits} splits "
+          f"({kv_gb:.2f} GB, {kv_gb / t_b1:.2f} TB/s alone)")
+    base_a = None
+    for carveout in (int(c) for c in args.gemm_sm_carveout.split(",")):
+        torch._C._set_sm_carveout_experimental(carveout or None)  # read when a GEMM is captured
+        ga = _graph(prefill_layer, sa)
+        torch._C._set_sm_carveout_experimental(None)
+        t_a1 = _time(lambda: _launch([(ga, sa, 1)]))
+        reps_a = 4
+        reps_b = reps_a * max(1, round(t_a1 / t_b1))
+        t_a, t_b = _time(lambda: _launch([(ga, sa, reps_a)])), _time(lambda: _launch([(gb, sb, reps_b)]))
+        t_ab = _time(lambda: _launch([(ga, sa, reps_a), (gb, sb, reps_b)]))
+        base_a = base_a or t_a  # the first carveout's A is the reference (list 0 first)
+        print(f"GEMM SM carveout {carveout:3d}: {flops / t_a1 / 1e9:.0f} TFLOP/s alone; A = {reps_a} prefill layers "
+              f"{t_a:.3f} ms alone; B = {reps_b} decode layers {t_b:.3f} ms alone; together {t_ab:.3f} ms; "
+              f"overlap (A + B) / together = {(t_a + t_b) / t_ab:.2f}, against A without carveout "
+              f"{(base_a + t_b) / t_ab:.2f}", flush=True)
 
+
+def _launch(graph_reps: list[tuple[torch.cuda.CUDAGraph, torch.cuda.Stream, int]]) -> None:
+    """Replay each graph ``reps`` times on its own stream, all after and before the current stream."""
+    cur = torch.cuda.current_stream()
+    for g, stream, reps in graph_reps:
+        stream.wait_stream(cur)
+        with torch.cuda.stream(stream):
+            for _ in range(reps):
+                g.replay()
+    for _, stream, _ in graph_reps:
+        cur.wait_stream(stream)
 
 if __name__ == "__main__":
     main()
