@@ -103,3 +103,31 @@ def floor_ms(mb: ModelBytes, kv_tokens: float, bandwidth: float, batch_size: int
     """Memory-bandwidth floor of one decode step of ``batch_size`` requests in ms: (weights read + KV read)
     / copy bandwidth."""
     return 1000.0 * (mb.bytes_read(batch_size) + kv_tokens * mb.kv_bytes_per_token) / bandwidth
+
+
+def run_decode_floor_s(mb: ModelBytes, input_lens: list[int], output_lens: list[int], bandwidth: float,
+                       max_running: int) -> tuple[float, int]:
+    """Seconds every decode step of a whole run needs at the bandwidth floor, and the number of steps.
+
+    The schedule: requests take the ``max_running`` slots in order, a freed slot goes to the next one; the
+    first token of each comes from its prefill, so request i decodes ``output_lens[i] - 1`` steps, its KV
+    growing from ``input_lens[i] + 1``. Prefill time is not included: this is the decode part of the bench's
+    bound, ``elapsed - prefill`` over it says how far the decode steps are from the floor taken together
+    (small batches in the run's tail included)."""
+    pending = list(zip(input_lens, output_lens))[::-1]
+    running: list[list[int]] = []  # [kv tokens, decode steps left]
+    total, steps = 0.0, 0
+    while pending or running:
+        while pending and len(running) < max_running:
+            n_in, n_out = pending.pop()
+            if n_out > 1:
+                running.append([n_in + 1, n_out - 1])
+        if not running:
+            continue
+        total += floor_ms(mb, sum(kv for kv, _ in running), bandwidth, len(running)) / 1000.0
+        steps += 1
+        for r in running:
+            r[0] += 1
+            r[1] -= 1
+        running = [r for r in running if r[1] > 0]
+    return total, steps

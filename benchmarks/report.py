@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from benchmarks.engine_run import EngineRun, StepTiming
-from benchmarks.memory_floor import ModelBytes, floor_ms
+from benchmarks.memory_floor import ModelBytes, floor_ms, run_decode_floor_s
 from benchmarks.workload import RunResult, Workload
 
 
@@ -21,6 +21,22 @@ def _step_report(timing: StepTiming | None, mb: ModelBytes, bandwidth: float) ->
     return {**asdict(timing), "floor_ms": floor, "step_over_floor": timing.mean_step_ms / floor,
             "kv_bytes_read": timing.mean_kv_tokens * mb.kv_bytes_per_token,
             "weight_bytes_read": mb.bytes_read(timing.batch_size), "experts_read": mb.expected_experts(timing.batch_size)}
+
+
+def _run_floor(args: argparse.Namespace, work: Workload, engine: EngineRun, mb: ModelBytes,
+               bandwidth: float) -> dict[str, Any]:
+    """The whole run's decode steps at the bandwidth floor (``run_decode_floor_s``) against the measured
+    decode time (elapsed minus prefill), and the output tok/s the run would reach with its measured prefill
+    and every decode step at the floor."""
+    from rollout.config import EngineConfig
+
+    slots = args.max_running_requests or EngineConfig.max_running_requests
+    floor_s, steps = run_decode_floor_s(mb, [len(p) for p in work.prompts], work.output_lens, bandwidth, slots)
+    prefill_s = (engine.step_stats.get("prefill") or {}).get("seconds", 0.0)
+    decode_s = engine.result.elapsed_s - prefill_s
+    return {"decode_floor_s": floor_s, "decode_steps": steps, "decode_s": decode_s,
+            "decode_over_floor": decode_s / floor_s if floor_s else None,
+            "output_tok_s_at_floor": work.output_tokens / (floor_s + prefill_s) if floor_s + prefill_s else None}
 
 
 def _device_name(device: str) -> str:
@@ -59,6 +75,7 @@ def build_report(args: argparse.Namespace, model_path: str, device: str, dtype: 
         "engine": engine.result.to_dict(),
         "memory": {"copy_bandwidth_gb_s": bandwidth / 1e9, **asdict(mb), "kv_cache_tokens": engine.kv_tokens,
                    "kv_cache_gib": engine.kv_tokens * mb.kv_bytes_per_token / 2**30},
+        "run_floor": _run_floor(args, work, engine, mb, bandwidth),
         "decode_steady": _step_report(engine.steady, mb, bandwidth),
         "decode_batch1": _step_report(engine.batch1, mb, bandwidth),
         "prefill": engine.step_stats.get("prefill"),
@@ -100,6 +117,11 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"prefill: {pre['tokens']} tokens in {pre['steps']} steps, {pre['seconds']:.2f} s "
                      f"({pre['tokens'] / max(pre['seconds'], 1e-9):.0f} tok/s); {r.get('mixed_steps', 0)} of them "
                      f"mixed with decode; {r.get('retractions', 0)} retractions")
+    f = r.get("run_floor")
+    if f and f["decode_floor_s"]:
+        lines.append(f"whole run: {f['decode_s']:.2f} s besides prefill, decode floor {f['decode_floor_s']:.2f} s "
+                     f"({f['decode_steps']} steps at the bandwidth floor), {f['decode_over_floor']:.2f}x; with this "
+                     f"prefill and every step at the floor: {f['output_tok_s_at_floor']:.0f} output tok/s")
     for key in ("decode_steady", "decode_batch1"):
         s = r[key]
         if s is not None:

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.bench import main
 from benchmarks.engine_run import steady_step
-from benchmarks.memory_floor import model_bytes
+from benchmarks.memory_floor import ModelBytes, model_bytes, run_decode_floor_s
 from benchmarks.presets import PRESET_NAMES, preset_config, preset_param_specs, shard_plan, write_preset
 from benchmarks.workload import make_workload
 from rollout.config import ModelConfig
@@ -57,8 +57,14 @@ def test_bench_tiny_fixed_lengths(preset_root, tmp_path, capsys):
     assert steady["step_over_floor"] == pytest.approx(steady["mean_step_ms"] / steady["floor_ms"])
     batch1 = report["decode_batch1"]
     assert batch1["batch_size"] == 1 and batch1["steps"] == 4 and batch1["mean_step_ms"] > 0
+    floor = report["run_floor"]  # 6 requests together, 7 decode steps each at KV 25..31 tokens
+    one = model_bytes(ModelConfig.from_path(os.path.join(preset_root, "tiny")), 1, 4)
+    want = sum(one.weight_bytes_read + 6 * kv * one.kv_bytes_per_token for kv in range(25, 32))
+    assert floor["decode_steps"] == 7
+    assert floor["decode_floor_s"] == pytest.approx(want / (mem["copy_bandwidth_gb_s"] * 1e9))
+    assert floor["decode_over_floor"] == pytest.approx(floor["decode_s"] / floor["decode_floor_s"])
     out = capsys.readouterr().out
-    assert "output tok/s" in out and "engine / hf" in out and "step/floor" in out
+    assert "output tok/s" in out and "engine / hf" in out and "step/floor" in out and "decode floor" in out
 
 
 def test_bench_tiny_random_range_greedy(preset_root, tmp_path):
@@ -70,6 +76,14 @@ def test_bench_tiny_random_range_greedy(preset_root, tmp_path):
     _check_run(report["engine"], 5, work.input_tokens, work.output_tokens)
     _check_run(report["hf"], 5, work.input_tokens, work.output_tokens)  # requested tokens only
     assert report["workload"]["random_range"] == [4, 20] and report["decode_batch1"] is None
+
+
+def test_run_decode_floor_counts_every_step_of_the_schedule():
+    mb = ModelBytes(weight_bytes=500, weight_bytes_read=100, kv_bytes_per_token=10)
+    # two slots: step 1 reads both requests' KV (3 + 4 tokens), step 2 only the first's (4); 1000 B/s
+    assert run_decode_floor_s(mb, [2, 3, 9], [3, 2, 1], 1000.0, 2) == (pytest.approx(0.17 + 0.14), 2)
+    # one slot: the second request waits for the first; the third (one output token) never decodes
+    assert run_decode_floor_s(mb, [2, 3, 9], [3, 2, 1], 1000.0, 1) == (pytest.approx(0.13 + 0.14 + 0.14), 3)
 
 
 def test_make_workload_is_seeded_and_in_range():
