@@ -69,8 +69,8 @@ def prefill_input(runner, batch: int, context: int, vocab: int):
 
     rows = list(range(batch))
     slots = torch.arange(1, 1 + batch * context, dtype=torch.int64)
-    for r in rows:
-        runner.req_to_token.write(r, 0, slots[r * context:(r + 1) * context])
+    # one table write for the whole batch, as one prefill step's worth of host work (not one per row)
+    runner.req_to_token.write_many([r for r in rows for _ in range(context)], list(range(context)) * batch, slots)
     ids = torch.randint(3, vocab - 1, (batch * context,)).tolist()
     return StepInput(ForwardMode.EXTEND, rows, ids, list(range(context)) * batch, slots, [context] * batch,
                      [context] * batch)
