@@ -269,3 +269,82 @@ def test_fsdp2_bucket_gather_matches_full_tensors(tmp_path):
     result = torch.load(out)
     assert result["equal"] == [True] * 4
     assert result["dtypes"] == ["torch.float32", "torch.bfloat16", "torch.float16", "torch.float32"]
+
+
+@pytest.mark.parametrize("size, start, width", [(64, 0, 8), (36, 0, 4), (38, 2, 2), (37, 1, 1)])
+def test_copy_bytes_takes_the_widest_type_the_layout_allows(monkeypatch, size, start, width):
+    """The FSDP2 bucket copies move 8-, 4- or 2-byte words where sizes, strides and addresses allow, and are
+    byte-exact either way (1-D, and 2-D column slices of a rank-major buffer)."""
+    from trainer_adapters import fsdp2
+
+    used = []
+    real_view = torch.Tensor.view
+    monkeypatch.setattr(torch.Tensor, "view", lambda t, *a: (used.append(a[0]) if a and isinstance(a[0], torch.dtype)
+                                                               else None) or real_view(t, *a))
+    src = torch.randint(0, 256, (start + size,), dtype=torch.uint8)[start:]
+    dst = torch.zeros(start + size, dtype=torch.uint8)[start:]
+    fsdp2.copy_bytes(dst, src)
+    assert torch.equal(dst, src)
+    assert used == ([] if width == 1 else [fsdp2._WIDE[width]] * 2)
+    used.clear()
+    rows = torch.randint(0, 256, (3, 64), dtype=torch.uint8)
+    cols = torch.zeros(3, 16, dtype=torch.uint8)
+    fsdp2.copy_bytes(cols, rows[:, 16:32])  # a column slice: row strides 64 and 16
+    assert torch.equal(cols, rows[:, 16:32]) and used == [torch.int64] * 2
+
+
+class _Source:
+    """A stand-in ParamSource that logs when each bucket is gathered and when the iteration ends."""
+
+    kind = "stub"
+
+    def __init__(self, owns: bool, n: int, log: list) -> None:
+        self.owns_buckets, self.log = owns, log
+        self.params = [(f"w{i}", torch.full((2,), float(i))) for i in range(n)]
+
+    def plan(self, mode, bucket_bytes, dtype=None):
+        return [[i] for i in range(len(self.params))]
+
+    def gathered(self, plan):
+        for bucket in plan:
+            self.log.append(f"gather {bucket[0]}")
+            try:
+                yield [self.params[i] for i in bucket]
+            finally:
+                self.log.append(f"release {bucket[0]}")
+        self.log.append("end")
+
+
+class _LoggingEngine:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def update_weights_from_tensor(self, bucket, flush_cache, async_op, weight_version=None):
+        name = bucket[0][0]
+        self.log.append(f"push {name}{' flush' if flush_cache else ''}")
+        log = self.log
+
+        class Logged(Future):
+            def result(self, timeout=None):
+                log.append(f"loaded {name}")
+                return {"complete": flush_cache}
+        return Logged()
+
+
+@pytest.mark.parametrize("owns", [True, False])
+def test_push_colocated_gathers_ahead_only_where_buckets_outlive_the_iteration(monkeypatch, owns):
+    """FSDP2-like sources (their buckets own their memory): bucket k+1 is gathered while the engines load
+    bucket k. ZeRO-3-like sources (leaving a bucket releases its gather): the next gather waits until the
+    engines are done. Either way the iteration is run to its end (a collective context is left in step)."""
+    from trainer_adapters import push_colocated, senders
+
+    log: list = []
+    monkeypatch.setattr(senders, "param_source", lambda model, backend: _Source(owns, 3, log))
+    out = push_colocated(object(), [_LoggingEngine(log)], bucket_bytes=1)
+    assert out["buckets"] == 3 and [r[0]["complete"] for r in out["results"]] == [False, False, True]
+    if owns:
+        assert log == ["gather 0", "push w0", "release 0", "gather 1", "loaded w0", "push w1", "release 1",
+                       "gather 2", "loaded w1", "push w2 flush", "release 2", "end", "loaded w2"]
+    else:
+        assert log == ["gather 0", "push w0", "loaded w0", "release 0", "gather 1", "push w1", "loaded w1",
+                       "release 1", "gather 2", "push w2 flush", "loaded w2", "release 2", "end"]

@@ -158,17 +158,17 @@ def test_trainer_killed_mid_update_then_a_complete_update_restores(path, hf_refe
 def test_update_waits_for_in_flight_requests_and_pause_modes(path):
     import weight_sync
 
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # ready before the request starts
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
     with Engine(path, dtype="float32", device="cpu", keep_weight_copy=True) as engine:
         fp0 = engine.weights_fingerprint()
-        params = SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True)
         stream = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, stream=True)
-        next(stream)
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.mul_(1.01)
+        assert next(stream).outputs[0].finish_reason is None, "the request must still run when the update comes"
         result = engine.update_weights_from_tensor(list(model.named_parameters()))
         chunks = list(stream)
         assert chunks[-1].outputs[0].finish_reason == "length"

@@ -88,7 +88,8 @@ def push_colocated(model: Any, engines: Sequence[Any] | None, *, bucket_bytes: i
     colocated with it (none on ranks without one). ``bucket_bytes=None`` sends the whole model in one
     call when its parameters are already full (a plain module: nothing is gathered or copied, the
     engines read the trainer's own tensors); sharded models (FSDP2, ZeRO-3) are gathered bucket by
-    bucket (default 1 GiB), one gathered bucket alive at a time. The last call completes the update
+    bucket (default 1 GiB). FSDP2 gathers the next bucket while the engines load the current one (two
+    gathered buckets alive at a time); ZeRO-3 holds one (its gather ends when the iteration moves on). The last call completes the update
     (cache flush, version bump). Returns {tensors, buckets, bytes, seconds, results} where engines were
     given, None elsewhere.
     """
@@ -104,15 +105,21 @@ def push_colocated(model: Any, engines: Sequence[Any] | None, *, bucket_bytes: i
     plan = [list(range(len(source.params)))] if whole else source.plan(
         "bucket", DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes, dtype)
     start, nbytes, results = time.perf_counter(), 0, []
-    for k, bucket in enumerate(source.gathered(plan)):
+    buckets = source.gathered(plan)
+    bucket = next(buckets)
+    for k in range(len(plan)):
         if dtype is not None:
             bucket = [(n, t.to(dtype)) for n, t in bucket]
         last = k == len(plan) - 1
         futures = [e.update_weights_from_tensor(bucket, flush_cache=last, async_op=True,
                                                 weight_version=weight_version if last else None) for e in handles]
+        # the next bucket is gathered while the engines load this one (two gathered buckets alive) where the
+        # source's buckets outlive the iteration, else once they are done with it; the last next() ends
+        # the iteration on every rank (a ZeRO-3 gather context is left collectively, not at collection)
+        following = next(buckets, None) if source.owns_buckets else None
         results.append([f.result(timeout) for f in futures])
         nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        del bucket
+        bucket = following if source.owns_buckets else next(buckets, None)
     if not handles:
         return None
     return {"tensors": len(source.params), "buckets": len(plan), "bytes": nbytes,

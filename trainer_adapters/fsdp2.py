@@ -48,6 +48,7 @@ class FSDP2Source(ParamSource):
     """Parameters of an FSDP2 model; ``full_tensor()`` is a collective over the sharding mesh."""
 
     kind = "fsdp2"
+    owns_buckets = True  # each bucket is a fresh buffer (or ``full_tensor()`` results) that we hold
 
     def full_shape(self, p: torch.Tensor) -> torch.Size:
         return p.shape  # a DTensor reports its global shape
@@ -87,16 +88,39 @@ def gather_rows(params: list[Any]) -> list[torch.Tensor]:
         chunk = -(-p.shape[0] // ranks) * row_bytes
         layout.append((total, chunk, row_bytes))
         total += chunk
+    total = -(-total // 16) * 16  # so every rank's part starts 16-byte aligned too
     local = params[0].to_local()
     out = torch.empty((ranks, total), dtype=torch.uint8, device=local.device)
     mine = out[rank]
     for p, (offset, _, _) in zip(params, layout):
         part = p.to_local().contiguous().view(-1).view(torch.uint8)
-        mine[offset:offset + part.numel()].copy_(part)
+        copy_bytes(mine[offset:offset + part.numel()], part)
     if ranks > 1:
         dist.all_gather_into_tensor(out.view(-1), mine, group=mesh.get_group())
     full = []
     for p, (offset, chunk, row_bytes) in zip(params, layout):
-        flat = out[:, offset:offset + chunk].reshape(-1)[:p.shape[0] * row_bytes]
+        n = p.shape[0] * row_bytes
+        if ranks == 1:
+            flat = out[0, offset:offset + n]
+        else:  # the rank-major parts, back to back
+            flat = torch.empty(ranks * chunk, dtype=torch.uint8, device=out.device)
+            copy_bytes(flat.view(ranks, chunk), out[:, offset:offset + chunk])
+            flat = flat[:n]
         full.append(flat.view(p.dtype).view(p.shape))
     return full
+
+
+_WIDE = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for uint8 tensors of one shape (1-D, or 2-D with a contiguous last dim), through
+    the widest integer type that their sizes, strides and addresses allow: a byte-wise copy moves one
+    byte per element, far below the device's copy bandwidth."""
+    last = dst.shape[-1]
+    facts = [last, dst.data_ptr(), src.data_ptr(), *dst.stride()[:-1], *src.stride()[:-1]]
+    for width, dtype in _WIDE.items():
+        if all(f % width == 0 for f in facts):
+            dst.view(dtype).copy_(src.view(dtype))
+            return
+    dst.copy_(src)

@@ -30,9 +30,14 @@ class ParamMeta:
 
 
 class ParamSource:
-    """Parameters of a plain module (no sharding): the tensors are already full on every rank."""
+    """Parameters of a plain module (no sharding): the tensors are already full on every rank.
+
+    ``owns_buckets``: a yielded bucket's tensors stay valid after the iterator moves on (they own their
+    memory), so the next bucket may be gathered while the engines still read this one. False here (nothing
+    is gathered: the tensors are the parameters) and for ZeRO-3 (leaving a bucket releases its gather)."""
 
     kind = "module"
+    owns_buckets = False
 
     def __init__(self, model: Any) -> None:
         self.model = unwrap_model(model)
