@@ -90,8 +90,8 @@ def push_colocated(model: Any, engines: Sequence[Any] | None, *, bucket_bytes: i
     engines read the trainer's own tensors); sharded models (FSDP2, ZeRO-3) are gathered bucket by
     bucket (default 1 GiB). FSDP2 gathers the next bucket while the engines load the current one (two
     gathered buckets alive at a time); ZeRO-3 holds one (its gather ends when the iteration moves on). The
-    last call completes the update (cache flush, version bump). Returns {tensors, buckets, bytes, seconds, results} where engines were
-    given, None elsewhere.
+    last call completes the update (cache flush, version bump). Returns {tensors, buckets, bytes, seconds,
+    results} where engines were given, None elsewhere.
     """
     import time
 
