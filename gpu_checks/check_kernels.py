@@ -89,7 +89,6 @@ def check_qk_norm_rope() -> None:
     torch_norms, fi_norms = ([RMSNorm(d, 1e-6, dtype, dev, fused=f) for _ in range(2)] for f in (False, True))
     for n, w in [*zip(torch_norms, weights), *zip(fi_norms, weights)]:
         n.weight.data.copy_(w)
-    weights_dt = [w.to(dtype) for w in weights]
     default_tile = rope_mod._TILE_ELEMS
     for t in (1, 32, 256, 8192):
         qkv = torch.randn(t, (hq + 2 * hk) * d, device=dev, dtype=dtype) * 3
@@ -99,13 +98,13 @@ def check_qk_norm_rope() -> None:
         loc = torch.randperm(16384, device=dev)[:t] + 1
         pools = [KVPool(16384, 1, hk, d, dtype, dev) for _ in range(3)]
 
-        def unfused(norms, pool):  # two norms (and the copies of the strided q/k views), then the rope kernel
+        def unfused(norms, pool, out=None):  # two norms (and the copies of the strided q/k views), then rope
             return rope_and_store_kv(norms[0](q), norms[1](k), v, pos, rotary.cos_cache, rotary.sin_cache,
-                                     pool.k_buffers[0], pool.v_buffers[0], loc)
+                                     pool.k_buffers[0], pool.v_buffers[0], loc, q_out=out)
 
-        def fused():
+        def fused(out=None):
             return rope_and_store_kv(q, k, v, pos, rotary.cos_cache, rotary.sin_cache, pools[2].k_buffers[0],
-                                     pools[2].v_buffers[0], loc, q_norm_weight=torch_norms[0].weight,
+                                     pools[2].v_buffers[0], loc, q_out=out, q_norm_weight=torch_norms[0].weight,
                                      k_norm_weight=torch_norms[1].weight, norm_eps=1e-6)
 
         outs = [unfused(torch_norms, pools[0]), unfused(fi_norms, pools[1]), fused()]
@@ -114,16 +113,11 @@ def check_qk_norm_rope() -> None:
                       (pools[2].k_buffers[0][loc].float() - pools[i].k_buffers[0][loc].float()).abs().max().item())
             print(f"qk-norm+rope T={t:5d}: fused vs {name} + rope: max |Δ| {err:.3e}", flush=True)
         out = torch.empty_like(outs[2])  # graph-safe: q_out given
-        graph_unfused = _graph_time_ms(lambda: rope_and_store_kv(
-            fi_norms[0](q), fi_norms[1](k), v, pos, rotary.cos_cache, rotary.sin_cache, pools[1].k_buffers[0],
-            pools[1].v_buffers[0], loc, q_out=out))
+        graph_unfused = _graph_time_ms(lambda: unfused(fi_norms, pools[1], out))
         tiles = []
         for tile in (2048, 1024, 512, 256):  # heads * head_dim per program
             rope_mod._TILE_ELEMS = tile
-            us = _graph_time_ms(lambda: rope_and_store_kv(
-                q, k, v, pos, rotary.cos_cache, rotary.sin_cache, pools[2].k_buffers[0], pools[2].v_buffers[0],
-                loc, q_out=out, q_norm_weight=weights_dt[0], k_norm_weight=weights_dt[1])) * 1e3
-            tiles.append(f"tile {tile} {us:.1f} us")
+            tiles.append(f"tile {tile} {_graph_time_ms(lambda: fused(out)) * 1e3:.1f} us")
         rope_mod._TILE_ELEMS = default_tile
         print(f"qk-norm+rope T={t:5d}, in a CUDA graph: FlashInfer norms + rope {graph_unfused * 1e3:.1f} us; "
               f"fused {', '.join(tiles)}", flush=True)

@@ -121,5 +121,6 @@ def _launch(graph_reps: list[tuple[torch.cuda.CUDAGraph, torch.cuda.Stream, int]
     for _, stream, _ in graph_reps:
         cur.wait_stream(stream)
 
+
 if __name__ == "__main__":
     main()
