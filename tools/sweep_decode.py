@@ -1,9 +1,11 @@
 """Decode attention speed on the GPU: the Triton kernel's launch settings against FlashInfer.
 
-    python tools/sweep_decode.py [--quick | --grid 'N;W;S'] [--cases fp8,bf16,bf16-d64] [--layouts random,engine]
+    python tools/sweep_decode.py [--quick | --grid 'N;W;S'] [--cases fp8,bf16,bf16-d64,bf16-qwen]
+                                 [--layouts random,engine] [--context N]
 
 One layer at 256 requests: Llama-3.1-8B heads (32 q / 8 KV, dim 128) x 1,500 cached tokens, bf16 and
-float8 (e4m3) pools; Llama-3.2-1B heads (32 / 8, dim 64) x 256 cached tokens (row 4's decode), bf16. Two slot layouts: ``random`` (every token's slot drawn at random) and
+float8 (e4m3) pools; Llama-3.2-1B heads (32 / 8, dim 64) x 256 cached tokens (row 4's decode), bf16;
+Qwen3-0.6B heads (16 / 8, dim 128) x 600 cached tokens (the nano-vllm protocol's mean at batch 256), bf16. Two slot layouts: ``random`` (every token's slot drawn at random) and
 ``engine`` (the first two thirds of each request contiguous, as a prefill allocates them; the rest
 interleaved across requests, as decode steps allocate them). Times are per call, averaged over 20
 back-to-back calls (CUDA events), median of 7. Each Triton setting is checked against FlashInfer.
@@ -110,13 +112,15 @@ def run_case(batch: int, context: int, hq: int, hk: int, d: int, kv_dtype: torch
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="a few settings only")
-    p.add_argument("--cases", default="fp8,bf16,bf16-d64", help="comma-separated subset of fp8,bf16,bf16-d64")
+    p.add_argument("--cases", default="fp8,bf16,bf16-d64",
+                   help="comma-separated subset of fp8,bf16,bf16-d64,bf16-qwen")
     p.add_argument("--grid", help="'N;W;S': comma lists of block_n, warps, stages")
     p.add_argument("--fp8-query", default="float16", choices=["float16", "bfloat16"],
                    help="query dtype of the fp8 case (the engine's is the model dtype)")
     p.add_argument("--layouts", default="random,engine", help="slot layouts; the sweep runs on the first")
     p.add_argument("--fused-merge", action="store_true", help="merge the splits inside the first kernel")
-    p.add_argument("--batch", type=int, default=256, help="requests of the 8B-head cases")
+    p.add_argument("--batch", type=int, default=256, help="requests of the 8B-head and Qwen cases")
+    p.add_argument("--context", type=int, default=600, help="cached tokens per request of the Qwen case")
     args = p.parse_args()
     cases = args.cases.split(",")
     layouts = tuple(args.layouts.split(","))
@@ -131,6 +135,9 @@ def main() -> None:
         run_case(args.batch, 1500, 32, 8, 128, torch.bfloat16, grid, workspace, layouts, fused_merge=args.fused_merge)
     if "bf16-d64" in cases:
         run_case(256, 256, 32, 8, 64, torch.bfloat16, grid, workspace, layouts, fused_merge=args.fused_merge)
+    if "bf16-qwen" in cases:
+        run_case(args.batch, args.context, 16, 8, 128, torch.bfloat16, grid, workspace, layouts,
+                 fused_merge=args.fused_merge)
 
 
 if __name__ == "__main__":
