@@ -39,14 +39,16 @@ LAYERS = 28
 def _swap_ab_gemm(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                   BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                   STAGES: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    """Program (n tile, k split): acc[BN, BT] = W[n tile, k part] @ x[:, k part].T; with SPLIT > 1 the
+    """Program (n tile, k split, token tile): acc[BN, BT] = W[n tile, k part] @ x[t tile, k part].T; with SPLIT > 1 the
     partial goes to ``ws`` and the tile's last program sums the SPLIT partials in order into ``y``.
     ``PREFETCH`` (with ``USE_PDL``): before waiting for the previous kernel, bulk-prefetch this program's
     weight rows into L2 (they do not depend on it), so the weight read overlaps the kernels before."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
+    pid_t = tl.program_id(2)
+    tile_id = pid_t * tl.num_programs(0) + pid_n
     offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_t = tl.arange(0, BT)
+    offs_t = pid_t * BT + tl.arange(0, BT)
     offs_k = tl.arange(0, BK)
     k_part = K // SPLIT
     if USE_PDL:
@@ -75,42 +77,42 @@ def _swap_ab_gemm(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stri
     if SPLIT == 1:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
     else:
-        tile = tl.arange(0, BN)[:, None] * BT + offs_t[None, :]
-        part = ws_ptr + (pid_n * SPLIT).to(tl.int64) * (BN * BT)
+        tile = tl.arange(0, BN)[:, None] * BT + tl.arange(0, BT)[None, :]
+        part = ws_ptr + (tile_id * SPLIT).to(tl.int64) * (BN * BT)
         tl.store(part + pid_s * (BN * BT) + tile, acc)
         tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        done = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT - 1:
             total = tl.zeros([BN, BT], tl.float32)
             for s in tl.static_range(SPLIT):
                 total += tl.load(part + s * (BN * BT) + tile, cache_modifier=".cg")
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_ok)
-            tl.store(cnt_ptr + pid_n, 0)
+            tl.store(cnt_ptr + tile_id, 0)
 
 
 class SwapAB:
     """One launch setting of the Triton kernel with its scratch (partials and per-tile counts)."""
 
     def __init__(self, bn: int, bk: int, split: int, stages: int, warps: int, max_n: int, device,
-                 pdl: int = 0) -> None:
-        """``pdl``: 0 off, 1 PDL, 2 PDL with the weight prefetch."""
-        self.bn, self.bk, self.split, self.stages, self.warps = bn, bk, split, stages, warps
+                 pdl: int = 0, max_bt: int = 256) -> None:
+        """``pdl``: 0 off, 1 PDL, 2 PDL with the weight prefetch; ``max_bt``: most token rows per program."""
+        self.bn, self.bk, self.split, self.stages, self.warps, self.max_bt = bn, bk, split, stages, warps, max_bt
         self.pdl = pdl if pdl_enabled(torch.device(device)) else 0
-        self.ws = torch.empty(max_n * split * 256, dtype=torch.float32, device=device)
-        self.cnt = torch.zeros(max_n // bn + 1, dtype=torch.int32, device=device)
+        self.ws = torch.empty(max_n * split * 256 * 2, dtype=torch.float32, device=device)
+        self.cnt = torch.zeros((max_n // bn + 1) * 16, dtype=torch.int32, device=device)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         m, k = x.shape
         n = w.shape[0]
-        bt = max(16, triton.next_power_of_2(m))
-        _swap_ab_gemm[(n // self.bn, self.split)](
+        bt = min(self.max_bt, max(16, triton.next_power_of_2(m)))
+        _swap_ab_gemm[(n // self.bn, self.split, triton.cdiv(m, bt))](
             x, w, y, self.ws, self.cnt, m, n, k, x.stride(0), w.stride(0), y.stride(0), BN=self.bn, BT=bt,
             BK=self.bk, SPLIT=self.split, STAGES=self.stages, UPCAST=x.device.type != "cuda",
             USE_PDL=self.pdl > 0, PREFETCH=self.pdl == 2, launch_pdl=self.pdl > 0, num_warps=self.warps)
         return y
 
     def __str__(self) -> str:
-        return f"bn{self.bn} bk{self.bk} split{self.split} s{self.stages} w{self.warps} pdl{self.pdl}"
+        return f"bn{self.bn} bt{self.max_bt} bk{self.bk} split{self.split} s{self.stages} w{self.warps} pdl{self.pdl}"
 
 
 def graph_us(fn, replays: int = 7) -> float:
@@ -141,12 +143,14 @@ def main() -> None:
     p.add_argument("--rows", default="16,64,128,256")
     p.add_argument("--quick", action="store_true", help="fewer Triton settings")
     p.add_argument("--pdl", default="0,1,2", help="PDL modes: 0 off, 1 on, 2 on with the weight prefetch")
+    p.add_argument("--max-bt", default="256", help="most token rows per program (token tiles above), comma list")
     args = p.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     grid = ([64, 128], [64, 128], [1, 2, 4], [3, 4], [4, 8]) if not args.quick else ([64, 128], [64], [1, 2, 4], [4], [4])
     pdl_modes = [int(v) for v in args.pdl.split(",")]
+    max_bts = [int(v) for v in args.max_bt.split(",")]
     for name, n, k in SHAPES[args.shapes]:
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5 for _ in range(LAYERS)]
         mb = n * k * 2 / 1e6
@@ -158,10 +162,10 @@ def main() -> None:
             print(f"{name:8s} N{n:<6d} K{k:<6d} M{m:<4d} cublas                        {us:7.2f} us "
                   f"{mb / us:5.2f} TB/s", flush=True)
             best = (float("inf"), "")
-            for bn, bk, split, stages, warps, pdl in itertools.product(*grid, pdl_modes):
-                if n % bn or k % (bk * split) or (n // bn) * split > 8 * sms:
+            for bn, bk, split, stages, warps, pdl, max_bt in itertools.product(*grid, pdl_modes, max_bts):
+                if n % bn or k % (bk * split) or (n // bn) * split > 8 * sms or (max_bt < 256 and m <= max_bt):
                     continue
-                gemm = SwapAB(bn, bk, split, stages, warps, n, dev, pdl)
+                gemm = SwapAB(bn, bk, split, stages, warps, n, dev, pdl, max_bt)
                 try:
                     out = gemm(x, ws[0], ys[0])
                     err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
