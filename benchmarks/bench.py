@@ -53,6 +53,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-sigma", type=float, default=1.0, help="grpo: sigma of the lognormal output lengths")
     p.add_argument("--rl-steps", type=int, default=0,
                    help="grpo: K rollout steps with a weight push between them, drained and in flight")
+    p.add_argument("--rl-sync", choices=("tensor", "distributed"), default="tensor",
+                   help="grpo --rl-steps: push from a colocated trainer (update_weights_from_tensor) or from a "
+                        "trainer process on another device (init_process_group + update_weights_from_distributed)")
+    p.add_argument("--trainer-device", default=None,
+                   help="grpo --rl-sync distributed: the trainer's device (default: the GPU after the engine's, "
+                        "or cpu)")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=1024)
@@ -103,6 +109,10 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--temperature and --batch1-steps must be >= 0")
     if args.workload == "grpo" and (args.n < 1 or args.rl_steps < 0 or args.output_sigma < 0 or args.hf_baseline):
         p.error("--workload grpo needs --n >= 1, --rl-steps >= 0, --output-sigma >= 0 and no --hf-baseline")
+    if (args.rl_sync != "tensor" or args.trainer_device) and not (args.workload == "grpo" and args.rl_steps):
+        p.error("--rl-sync and --trainer-device apply to --workload grpo --rl-steps K only")
+    if args.trainer_device and args.rl_sync != "distributed":
+        p.error("--trainer-device needs --rl-sync distributed")
     if args.load_format == "dummy" and (args.hf_baseline or not args.preset):
         p.error("--load-format dummy needs --preset and no --hf-baseline (transformers would load other weights)")
 
@@ -163,7 +173,8 @@ def _main_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: st
     report = run_grpo(args, model_path, device, dtype, engine_options(args))
     print(format_grpo(report), flush=True)
     _write_json(args.json, report)
-    return 0
+    exact = [report[m]["fingerprint_equal"] for m in ("drain", "in_flight") if m in report]
+    return 0 if all(exact) else 1  # RL steps: the pushed weights must be the engine's, bit for bit
 
 
 if __name__ == "__main__":

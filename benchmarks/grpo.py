@@ -10,8 +10,9 @@ draining every request before the push and once applying the push in flight.
   engine's ``max_running_requests`` slots were busy, sampled every 20 ms), and the prefix-cache hit rate
   (cached prompt tokens / prompt tokens).
 - ``--rl-steps K``: each step is a rollout of a fresh batch, then a push of new weights (random tensors with
-  the model's shapes, in transformers' naming) with ``update_weights_from_tensor`` (CUDA IPC on a GPU,
-  shared memory on the CPU). **drain**: the push waits until the batch has finished. **in flight**
+  the model's shapes, in transformers' naming): ``--rl-sync tensor`` (default) from a colocated trainer with
+  ``update_weights_from_tensor`` (CUDA IPC on a GPU, shared memory on the CPU), ``--rl-sync distributed`` from
+  a trainer process on another device that broadcasts buckets (``benchmarks/grpo_trainer.py``). **drain**: the push waits until the batch has finished. **in flight**
   (``update_weights_in_flight``): when the batch enters its tail (fewer than a quarter of the slots busy) the
   next batch is submitted and the push lands at the next step boundary; the tail finishes on the new weights
   (its later tokens are tagged with the new version). Each step is split into rollout (until the push
@@ -178,6 +179,7 @@ def _wait_for_tail(engine: Any, worker: _Rollout, slots: int) -> None:
 def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str, engine_options: dict[str, Any]
              ) -> dict[str, Any]:
     """The GRPO workload: one timed rollout, or with ``--rl-steps K`` the drain and in-flight RL loops."""
+    from benchmarks.grpo_trainer import make_pusher
     from rollout.config import ModelConfig
     from rollout.engine import Engine
 
@@ -185,7 +187,7 @@ def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str,
     batches = [make_grpo_batch(args, vocab, args.seed + 101 * i) for i in range(max(1, args.rl_steps))]
     report: dict[str, Any] = {"workload": {k: getattr(args, k) for k in (
         "num_prompts", "n", "min_len", "max_len", "output_len", "output_median", "output_sigma", "rl_steps",
-        "temperature", "seed")}}
+        "rl_sync", "temperature", "seed")}}
     modes = [("rollout", False)] if not args.rl_steps else [("drain", False), ("in_flight", True)]
     for name, in_flight in modes:
         with Engine(model_path, tp_size=args.tp_size, dtype=dtype, device=device, update_weights_in_flight=in_flight,
@@ -201,10 +203,12 @@ def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str,
                 report[name] = {"total": summarize(outs, end - start, load.tail_s(start, end)).to_dict(),
                                 "mixed_steps": engine.get_step_stats()["mixed_steps"] - mixed}
                 continue
-            push = _pusher(engine, model_path, device, dtype)
-            steps, makespan = rl_steps(engine, batches, push, args.temperature, in_flight)
+            with make_pusher(args.rl_sync, engine, model_path, device, dtype, args.tp_size,
+                             args.trainer_device) as trainer:
+                steps, makespan = rl_steps(engine, batches, trainer.push, args.temperature, in_flight)
+                exact = trainer.verify()
             tokens = sum(s.output_tokens for s in steps)
-            report[name] = {"makespan_s": makespan, "output_tok_s": tokens / makespan,
+            report[name] = {"makespan_s": makespan, "output_tok_s": tokens / makespan, "fingerprint_equal": exact,
                             "steps": [s.to_dict() for s in steps]}
     return report
 
@@ -212,16 +216,6 @@ def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str,
 def _warmup_args(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "num_prompts": min(4, args.num_prompts), "n": 2, "output_len": 8,
                                  "output_median": 4})
-
-
-def _pusher(engine: Any, model_path: str, device: str, dtype: str) -> Any:
-    """A push of random weights with the model's shapes (transformers' naming), as a colocated trainer's."""
-    import torch
-
-    from benchmarks.colocated_push import trainer_tensors
-
-    named = trainer_tensors(model_path, device, getattr(torch, dtype))
-    return lambda: engine.update_weights_from_tensor(named)
 
 
 def format_grpo(report: dict[str, Any]) -> str:
@@ -235,10 +229,13 @@ def format_grpo(report: dict[str, Any]) -> str:
                      f"tok/s; tail {s['tail_s']:.2f} s (< 1/4 of the slots busy); prefix-cache hit rate "
                      f"{s['prefix_hit_rate']:.1%}; {report['rollout']['mixed_steps']} prefill steps mixed with decode")
         return "\n".join(lines)
+    lines.append(f"weight push between steps: {w['rl_sync']} ("
+                 + ("update_weights_from_tensor" if w["rl_sync"] == "tensor" else
+                    "a trainer process broadcasting buckets: update_weights_from_distributed") + ")")
     for name in ("drain", "in_flight"):
         r = report[name]
         lines.append(f"{name:>9}: makespan {r['makespan_s']:.2f} s, {r['output_tok_s']:.1f} output tok/s over "
-                     f"{len(r['steps'])} steps")
+                     f"{len(r['steps'])} steps; engine fingerprint equals the trainer's: {r['fingerprint_equal']}")
         for i, s in enumerate(r["steps"]):
             lines.append(f"           step {i + 1}: rollout {s['makespan_s']:.2f} s (tail {s['tail_s']:.2f} s), sync "
                          f"{s['sync_s'] * 1e3:.1f} ms, hit rate {s['prefix_hit_rate']:.1%}, tokens by weight version "

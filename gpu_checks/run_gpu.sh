@@ -28,6 +28,7 @@
 #   bash gpu_checks/run_gpu.sh rl-qwen   # Qwen3-0.6B shape: nano-vllm protocol and GRPO rollouts without and with
 #                                        # mixed chunks; GRPO RL steps drained and in flight
 #   bash gpu_checks/run_gpu.sh grpo-rl   # Qwen3-0.6B shape: the GRPO RL steps alone
+#   bash gpu_checks/run_gpu.sh grpo-rl-2gpu  # 2 GPUs: the same with the trainer on GPU 1 broadcasting over NCCL
 #   bash gpu_checks/run_gpu.sh moe-bench # Qwen3-30B-A3B shape (dummy weights): 256 x 1000 in / 1000 out, batch-1 step
 #   bash gpu_checks/run_gpu.sh moe-sync  # Qwen3-30B-A3B shape: same-GPU push of the trainer's fused expert tensors
 #   bash gpu_checks/run_gpu.sh corun     # prefill (and decode-batch) GEMMs vs decode attention on two streams, with SM carveouts
@@ -48,9 +49,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, transformers, flashinfer, triton; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'flashinfer', flashinfer.__version__, 'triton', triton.__version__)"
 grpo=(python -m rollout.bench --preset qwen3-0.6b --workload grpo --n 8 --min-len 200 --max-len 800 --output-len 4096)
-grpo_rl_steps() {  # the GRPO RL loop, drained and in flight
-  step grpo-rl-steps-qwen3-0.6b 200 "${grpo[@]}" --num-prompts 32 --output-median 512 --rl-steps 3 \
-    --json "$out/grpo-rl-steps-qwen3-0.6b.json"
+grpo_rl_steps() {  # the GRPO RL loop, drained and in flight; $1: the push (tensor or distributed)
+  local sync=${1:-tensor} name=grpo-rl-steps-qwen3-0.6b${1:+-$1}
+  step "$name" 200 "${grpo[@]}" --num-prompts 32 --output-median 512 --rl-steps 3 --rl-sync "$sync" \
+    --json "$out/$name.json"
 }
 case "${1:?stage}" in
   kernels)
@@ -153,6 +155,9 @@ num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, initializer_
       --json "$out/grpo-qwen3-0.6b-mixed.json"
     grpo_rl_steps ;;
   grpo-rl)
+    grpo_rl_steps ;;
+  grpo-rl-2gpu)  # the engine on GPU 0, the trainer on GPU 1; then the same-GPU push on this machine to compare
+    grpo_rl_steps distributed
     grpo_rl_steps ;;
   moe-bench)
     step bench-moe 570 python -m rollout.bench --preset qwen3-30b-a3b --load-format dummy --num-prompts 256 \

@@ -4,6 +4,7 @@ writer, and the byte counts behind the bandwidth floor."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 
 import pytest
@@ -253,9 +254,47 @@ def test_grpo_workload_and_rl_steps_drained_and_in_flight(tmp_path, capsys):
         assert all(sum(s["versions"].values()) == s["output_tokens"] for s in steps)
         assert all(s["prefix_hit_rate"] > 0.5 for s in steps)  # 4 samples per prompt: 3 of 4 prompts cached
         assert report[mode]["makespan_s"] > 0 and all(s["sync_s"] > 0 for s in steps)
+        assert report[mode]["fingerprint_equal"] is True
     assert [set(s["versions"]) for s in report["drain"]["steps"]] == [{"0"}, {"1"}, {"2"}]
     first = report["in_flight"]["steps"][0]
     assert set(first["versions"]) <= {"0", "1"}
     assert first["versions"]["0"] > first["output_tokens"] / 2  # the push lands in the batch's tail, not at its start
     assert [sum(s["output_tokens"] for s in report[m]["steps"]) for m in ("drain", "in_flight")] == \
         [sum(s["output_tokens"] for s in report["drain"]["steps"])] * 2
+
+
+def test_grpo_rl_steps_with_a_distributed_trainer(tmp_path, capsys):
+    """``--rl-sync distributed``: a trainer process (CPU, gloo) joins the engine's weight-update group and
+    broadcasts each push in buckets; drained, every step samples from one new version, in flight the first
+    batch's tail may sample from the next; the group is left and the trainer exits at the end."""
+    from benchmarks.bench import main
+
+    out = tmp_path / "grpo.json"
+    argv = ["--preset", "tiny", "--preset-dir", str(tmp_path), "--device", "cpu", "--workload", "grpo",
+            "--num-prompts", "2", "--n", "4", "--min-len", "16", "--max-len", "48", "--output-len", "40",
+            "--max-running-requests", "8", "--rl-steps", "2", "--rl-sync", "distributed", "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    text = capsys.readouterr().out
+    assert "weight push between steps: distributed" in text and "in flight / drain makespan" in text
+    assert report["workload"]["rl_sync"] == "distributed"
+    for mode in ("drain", "in_flight"):
+        steps = report[mode]["steps"]
+        assert len(steps) == 2 and all(s["requests"] == 8 and s["sync_s"] > 0 for s in steps)
+        assert report[mode]["fingerprint_equal"] is True
+        assert all(sum(s["versions"].values()) == s["output_tokens"] for s in steps)
+    assert [set(s["versions"]) for s in report["drain"]["steps"]] == [{"0"}, {"1"}]
+    assert set(report["in_flight"]["steps"][0]["versions"]) <= {"0", "1"}
+    assert not [p for p in multiprocessing.active_children() if p.name == "grpo-trainer"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rl-sync", "distributed"], "--rl-sync and --trainer-device apply to --workload grpo --rl-steps K only"),
+    (["--workload", "grpo", "--rl-steps", "2", "--trainer-device", "cpu"], "--trainer-device needs --rl-sync"),
+])
+def test_rl_sync_options_are_checked(argv, message, capsys):
+    from benchmarks.bench import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--preset", "tiny"] + argv)
+    assert message in capsys.readouterr().err
