@@ -96,7 +96,13 @@ class DistributedTrainer:
         self._proc = ctx.Process(target=_trainer_main, daemon=True, name="grpo-trainer", args=(
             theirs, ctl, model_path, trainer_device, dtype, tp_size, port, bucket_bytes, timeout))
         self._proc.start()
-        self._expect("ready")
+        theirs.close()  # the child's ends: once it exits, the engine's server thread sees the pipe close
+        ctl.close()
+        try:
+            self._expect("ready")
+        except BaseException:
+            self.close(graceful=False)
+            raise
 
     def push(self) -> float:
         self._ctl.send("push")
@@ -106,8 +112,9 @@ class DistributedTrainer:
         self._ctl.send("verify")
         return self._expect("verified")
 
-    def close(self) -> None:
-        if self._proc.is_alive():
+    def close(self, graceful: bool = True) -> None:
+        """Leave the group and end the process (``graceful=False``: end it without a word, after a failure)."""
+        if graceful and self._proc.is_alive():
             try:
                 self._ctl.send("stop")
                 self._expect("stopped")

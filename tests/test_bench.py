@@ -298,3 +298,16 @@ def test_rl_sync_options_are_checked(argv, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--preset", "tiny"] + argv)
     assert message in capsys.readouterr().err
+
+
+def test_grpo_distributed_trainer_failure_is_reported_and_the_trainer_ends(tmp_path):
+    """A trainer that cannot start (a CUDA device on a machine without one) fails the bench with its error;
+    its process does not outlive the failure."""
+    from benchmarks.bench import main
+
+    argv = ["--preset", "tiny", "--preset-dir", str(tmp_path), "--device", "cpu", "--workload", "grpo",
+            "--num-prompts", "1", "--n", "2", "--min-len", "8", "--max-len", "8", "--output-len", "4",
+            "--rl-steps", "1", "--rl-sync", "distributed", "--trainer-device", "cuda:0"]
+    with pytest.raises(RuntimeError, match="the GRPO trainer failed"):
+        main(argv)
+    assert not [p for p in multiprocessing.active_children() if p.name == "grpo-trainer"]
