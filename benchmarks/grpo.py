@@ -12,11 +12,12 @@ draining every request before the push and once applying the push in flight.
 - ``--rl-steps K``: each step is a rollout of a fresh batch, then a push of new weights (random tensors with
   the model's shapes, in transformers' naming): ``--rl-sync tensor`` (default) from a colocated trainer with
   ``update_weights_from_tensor`` (CUDA IPC on a GPU, shared memory on the CPU), ``--rl-sync distributed`` from
-  a trainer process on another device that broadcasts buckets (``benchmarks/grpo_trainer.py``). **drain**: the push waits until the batch has finished. **in flight**
-  (``update_weights_in_flight``): when the batch enters its tail (fewer than a quarter of the slots busy) the
-  next batch is submitted and the push lands at the next step boundary; the tail finishes on the new weights
-  (its later tokens are tagged with the new version). Each step is split into rollout (until the push
-  starts), sync (the push) and tail time.
+  a trainer process on another device that broadcasts buckets (``benchmarks/grpo_trainer.py``). **drain**:
+  the push waits until the batch has finished. **in flight** (``update_weights_in_flight``): when the batch
+  enters its tail (fewer than a quarter of the slots busy) the next batch is submitted and the push lands at
+  the next step boundary; the tail finishes on the new weights (its later tokens are tagged with the new
+  version). Each step is split into rollout (until the push starts), sync (the push) and tail time; after
+  each loop the engine's weight fingerprint is compared with the trainer's.
 """
 
 from __future__ import annotations

@@ -148,7 +148,9 @@ def main() -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    grid = ([64, 128], [64, 128], [1, 2, 4], [3, 4], [4, 8]) if not args.quick else ([64, 128], [64], [1, 2, 4], [4], [4])
+    grid = ([64, 128], [64, 128], [1, 2, 4], [3, 4], [4, 8])  # block_n, block_k, split, stages, warps
+    if args.quick:
+        grid = ([64, 128], [64], [1, 2, 4], [4], [4])
     pdl_modes = [int(v) for v in args.pdl.split(",")]
     max_bts = [int(v) for v in args.max_bt.split(",")]
     for name, n, k in SHAPES[args.shapes]:
