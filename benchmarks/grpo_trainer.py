@@ -2,8 +2,8 @@
 
 - ``tensor``: a colocated trainer's tensors on the engine's device, pushed with ``update_weights_from_tensor``
   (CUDA IPC on a GPU, shared memory on the CPU).
-- ``distributed``: a trainer in its own process on another device (the GPU after the engine's ``tp_size``
-  GPUs; the CPU with gloo) that joins the engine in a weight-update group (``init_process_group``) and
+- ``distributed``: a trainer in its own process on another device (the GPU after the engine's GPUs; the CPU
+  with gloo) that joins the engine in a weight-update group (``init_process_group``) and
   broadcasts bucketed updates (``WeightSender``: ``update_weights_from_distributed``), as an OpenRLHF-style
   trainer does. It drives the engine through ``weight_sync.remote`` (the engine serves its methods over a pipe).
 
@@ -44,16 +44,17 @@ def make_pusher(rl_sync: str, engine: Any, model_path: str, device: str, dtype: 
 
 
 def default_trainer_device(device: str, tp_size: int) -> str:
-    """The GPU after the engine's ``tp_size`` GPUs, or the CPU for a CPU engine. Raises when there is none:
-    NCCL cannot join two ranks on one GPU."""
+    """The GPU after the engine's (its TP ranks run on ``cuda:base`` ... ``cuda:base + tp_size - 1``), or the
+    CPU for a CPU engine. Raises when there is none: NCCL cannot join two ranks on one GPU."""
     if not device.startswith("cuda"):
         return "cpu"
     import torch
 
-    if torch.cuda.device_count() <= tp_size:
-        raise ValueError(f"--rl-sync distributed needs a GPU for the trainer besides the engine's {tp_size}: "
+    after = (torch.device(device).index or 0) + tp_size
+    if torch.cuda.device_count() <= after:
+        raise ValueError(f"--rl-sync distributed needs a GPU for the trainer after the engine's (cuda:{after}): "
                          f"{torch.cuda.device_count()} visible (use --rl-sync tensor on one GPU)")
-    return f"cuda:{tp_size}"
+    return f"cuda:{after}"
 
 
 class ColocatedTrainer:

@@ -311,3 +311,22 @@ def test_grpo_distributed_trainer_failure_is_reported_and_the_trainer_ends(tmp_p
     with pytest.raises(RuntimeError, match="the GRPO trainer failed"):
         main(argv)
     assert not [p for p in multiprocessing.active_children() if p.name == "grpo-trainer"]
+
+
+@pytest.mark.parametrize("device, tp, visible, expected", [
+    ("cpu", 1, 0, "cpu"), ("cuda", 1, 2, "cuda:1"), ("cuda", 2, 4, "cuda:2"), ("cuda:1", 2, 4, "cuda:3"),
+    ("cuda", 1, 1, None), ("cuda:2", 2, 4, None),
+])
+def test_default_trainer_device_is_the_gpu_after_the_engines(device, tp, visible, expected, monkeypatch):
+    """The trainer of ``--rl-sync distributed`` takes the GPU after the engine's TP ranks (which run on
+    ``cuda:base + rank``); with none left it is an error, not a second rank on an engine GPU."""
+    import torch
+
+    from benchmarks.grpo_trainer import default_trainer_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    if expected is None:
+        with pytest.raises(ValueError, match="needs a GPU for the trainer"):
+            default_trainer_device(device, tp)
+    else:
+        assert default_trainer_device(device, tp) == expected
