@@ -35,8 +35,10 @@ def make_pusher(rl_sync: str, engine: Any, model_path: str, device: str, dtype: 
         return
     if rl_sync != "distributed":
         raise ValueError(f"rl_sync must be 'tensor' or 'distributed', got {rl_sync!r}")
-    trainer = DistributedTrainer(engine, model_path, dtype, tp_size, trainer_device or default_trainer_device(
-        device, tp_size))
+    from weight_sync.placement import trainer_placement
+
+    place = trainer_placement(device, tp_size, trainer_device or default_trainer_device(device, tp_size))
+    trainer = DistributedTrainer(engine, model_path, dtype, tp_size, place.device, place.backend)
     try:
         yield trainer
     finally:
@@ -44,17 +46,16 @@ def make_pusher(rl_sync: str, engine: Any, model_path: str, device: str, dtype: 
 
 
 def default_trainer_device(device: str, tp_size: int) -> str:
-    """The GPU after the engine's (its TP ranks run on ``cuda:base`` ... ``cuda:base + tp_size - 1``), or the
-    CPU for a CPU engine. Raises when there is none: NCCL cannot join two ranks on one GPU."""
-    if not device.startswith("cuda"):
-        return "cpu"
-    import torch
+    """The GPU after the engine's (``weight_sync.placement``), or the CPU for a CPU engine. Raises when there
+    is none: a trainer sharing the engine's GPU would broadcast over gloo through host memory, which is not
+    the transfer this bench means to time (``--trainer-device`` the engine's GPU asks for that explicitly)."""
+    from weight_sync.placement import trainer_placement
 
-    after = (torch.device(device).index or 0) + tp_size
-    if torch.cuda.device_count() <= after:
-        raise ValueError(f"--rl-sync distributed needs a GPU for the trainer after the engine's (cuda:{after}): "
-                         f"{torch.cuda.device_count()} visible (use --rl-sync tensor on one GPU)")
-    return f"cuda:{after}"
+    place = trainer_placement(device, tp_size)
+    if place.shares_engine_gpu:
+        raise ValueError(f"--rl-sync distributed needs a GPU for the trainer after the engine's, none is visible "
+                         f"besides {place.device} (use --rl-sync tensor on one GPU, or --trainer-device)")
+    return place.device
 
 
 class ColocatedTrainer:
@@ -78,11 +79,11 @@ class ColocatedTrainer:
 
 
 class DistributedTrainer:
-    """A trainer process on ``trainer_device`` in a weight-update group with ``engine``; ``push()`` sends one
-    bucketed update and returns its seconds; ``verify()`` compares fingerprints there; ``close()`` leaves the
-    group and joins the process."""
+    """A trainer process on ``trainer_device`` in a weight-update group (``backend``) with ``engine``;
+    ``push()`` sends one bucketed update and returns its seconds; ``verify()`` compares fingerprints there;
+    ``close()`` leaves the group and joins the process."""
 
-    def __init__(self, engine: Any, model_path: str, dtype: str, tp_size: int, trainer_device: str,
+    def __init__(self, engine: Any, model_path: str, dtype: str, tp_size: int, trainer_device: str, backend: str,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout: float = 600.0) -> None:
         from weight_sync.remote import serve_engine
 
@@ -95,7 +96,7 @@ class DistributedTrainer:
         self._ctl, ctl = ctx.Pipe()
         self.timeout = timeout
         self._proc = ctx.Process(target=_trainer_main, daemon=True, name="grpo-trainer", args=(
-            theirs, ctl, model_path, trainer_device, dtype, tp_size, port, bucket_bytes, timeout))
+            theirs, ctl, model_path, trainer_device, backend, dtype, tp_size, port, bucket_bytes, timeout))
         self._proc.start()
         theirs.close()  # the child's ends: once it exits, the engine's server thread sees the pipe close
         ctl.close()
@@ -134,8 +135,8 @@ class DistributedTrainer:
         return value
 
 
-def _trainer_main(engine_conn: Any, ctl: Any, model_path: str, device: str, dtype: str, tp_size: int, port: int,
-                  bucket_bytes: int, timeout: float) -> None:
+def _trainer_main(engine_conn: Any, ctl: Any, model_path: str, device: str, backend: str, dtype: str, tp_size: int,
+                  port: int, bucket_bytes: int, timeout: float) -> None:
     """The trainer process: join the group, then answer ``"push"`` and ``"verify"`` until ``"stop"``."""
     try:
         import torch
@@ -149,7 +150,6 @@ def _trainer_main(engine_conn: Any, ctl: Any, model_path: str, device: str, dtyp
             torch.cuda.set_device(device)
         engine = RemoteEngine(engine_conn)
         named = trainer_tensors(model_path, device, getattr(torch, dtype))
-        backend = "nccl" if device.startswith("cuda") else "gloo"
         joined = engine.init_process_group("127.0.0.1", port, 1, 1 + tp_size, GROUP_NAME, backend=backend,
                                            timeout=timeout, async_op=True)
         group = weight_sync.init_process_group("127.0.0.1", port, 0, 1 + tp_size, GROUP_NAME, backend=backend,

@@ -126,16 +126,19 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rollout import Engine
+    from weight_sync.placement import trainer_placement
     from weight_sync.remote import serve_engine
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backend = args.backend or ("nccl" if device.startswith("cuda") else "gloo")
-    trainer_device = args.trainer_device or (
-        (f"cuda:{args.tp_size}" if torch.cuda.device_count() > args.tp_size else "cuda:0")
-        if device.startswith("cuda") else "cpu")
     model_path = args.model or _preset(args.preset)
     if args.colocated:
         return _colocated(args, model_path, device)
+    try:
+        place = trainer_placement(device, args.tp_size, args.trainer_device, args.backend)
+    except ValueError as e:
+        print(f"weight_sync.bench: error: {e}", file=sys.stderr)
+        return 2
+    backend, trainer_device = place.backend, place.device
     ctx = mp.get_context("spawn")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

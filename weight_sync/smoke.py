@@ -20,6 +20,7 @@ from typing import Any
 from rollout.ipc import free_port
 
 MODES = ("bucket", "per-tensor", "disk", "tensor")
+SHARED_GPU_MEM_FRACTION = 0.5  # the engine's share of a GPU it shares with the trainer (weights + KV cache)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,7 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default=None, choices=("gloo", "nccl"), help="default: nccl on GPU, gloo on CPU")
     p.add_argument("--mode", default="bucket", choices=MODES)
     p.add_argument("--bucket-mb", type=float, default=1024.0)
-    p.add_argument("--trainer-device", default=None, help="default: the GPU after the engine's, else the engine's")
+    p.add_argument("--trainer-device", default=None,
+                   help="default: the GPU after the engine's; else the engine's first GPU, over gloo (NCCL cannot "
+                        "put two ranks on one GPU), with the engine at half the GPU's memory")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-4)
@@ -47,18 +50,25 @@ def main(argv: list[str] | None = None) -> int:
 
     from rollout import Engine
     from rollout.default_model import ensure_default_model
+    from weight_sync.placement import trainer_placement
     from weight_sync.remote import serve_engine
     from weight_sync.smoke_trainer import SmokeConfig, run
 
-    model = args.model or ensure_default_model()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backend = args.backend or ("nccl" if device.startswith("cuda") else "gloo")
-    trainer_device = args.trainer_device or _trainer_device(device, args.tp_size)
+    try:
+        place = trainer_placement(device, args.tp_size, args.trainer_device, args.backend)
+    except ValueError as e:
+        print(f"rollout-smoke: error: {e}", file=sys.stderr)
+        return 2
+    model = args.model or ensure_default_model()
+    backend, trainer_device = place.backend, place.device
     cfg = SmokeConfig(model, args.mode, args.bucket_mb, args.dtype, trainer_device, backend, free_port(),
                       args.tp_size, args.num_prompts, args.max_new_tokens, args.lr, args.seed)
     ctx = mp.get_context("spawn")
     started = time.perf_counter()
-    with Engine(model, tp_size=args.tp_size, dtype=args.dtype, device=device) as engine:
+    # a trainer on the engine's GPU needs room for its model, gradients and optimizer state
+    memory = {"mem_fraction_static": SHARED_GPU_MEM_FRACTION} if place.shares_engine_gpu else {}
+    with Engine(model, tp_size=args.tp_size, dtype=args.dtype, device=device, **memory) as engine:
         mine, theirs = ctx.Pipe()
         serve_engine(engine, mine)
         results = ctx.Queue()
@@ -67,15 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         report = _wait(trainer, results)
         trainer.join(30)
     report["total_seconds"] = time.perf_counter() - started
+    if place.shares_engine_gpu:
+        print(f"rollout-smoke: no GPU after the engine's, so the trainer shares {trainer_device} and the weights go "
+              f"over {backend} (NCCL cannot put two ranks on one GPU); the engine took {SHARED_GPU_MEM_FRACTION:g} "
+              "of the GPU's memory")
     return _print_report(args, engine.model_config.architecture, device, backend, trainer_device, report)
-
-
-def _trainer_device(device: str, tp_size: int) -> str:
-    import torch
-
-    if not device.startswith("cuda"):
-        return "cpu"
-    return f"cuda:{tp_size}" if torch.cuda.device_count() > tp_size else "cuda:0"
 
 
 
