@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import socket
 import traceback
 from typing import Any, Iterator
 
+from rollout.ipc import free_port
 from weight_sync.sender import DEFAULT_BUCKET_BYTES
 
 GROUP_NAME = "grpo_bench"
@@ -35,9 +35,7 @@ def make_pusher(rl_sync: str, engine: Any, model_path: str, device: str, dtype: 
         return
     if rl_sync != "distributed":
         raise ValueError(f"rl_sync must be 'tensor' or 'distributed', got {rl_sync!r}")
-    from weight_sync.placement import trainer_placement
-
-    place = trainer_placement(device, tp_size, trainer_device or default_trainer_device(device, tp_size))
+    place = distributed_placement(device, tp_size, trainer_device)
     trainer = DistributedTrainer(engine, model_path, dtype, tp_size, place.device, place.backend)
     try:
         yield trainer
@@ -45,17 +43,18 @@ def make_pusher(rl_sync: str, engine: Any, model_path: str, device: str, dtype: 
         trainer.close()
 
 
-def default_trainer_device(device: str, tp_size: int) -> str:
-    """The GPU after the engine's (``weight_sync.placement``), or the CPU for a CPU engine. Raises when there
-    is none: a trainer sharing the engine's GPU would broadcast over gloo through host memory, which is not
-    the transfer this bench means to time (``--trainer-device`` the engine's GPU asks for that explicitly)."""
+def distributed_placement(device: str, tp_size: int, trainer_device: str | None = None) -> Any:
+    """The trainer's ``weight_sync.placement.TrainerPlacement``: by default the GPU after the engine's, or the
+    CPU for a CPU engine. Raises when the default has none: a trainer sharing the engine's GPU would broadcast
+    over gloo through host memory, which is not the transfer this bench means to time (``trainer_device`` the
+    engine's GPU asks for that explicitly)."""
     from weight_sync.placement import trainer_placement
 
-    place = trainer_placement(device, tp_size)
-    if place.shares_engine_gpu:
+    place = trainer_placement(device, tp_size, trainer_device)
+    if trainer_device is None and place.shares_engine_gpu:
         raise ValueError(f"--rl-sync distributed needs a GPU for the trainer after the engine's, none is visible "
                          f"besides {place.device} (use --rl-sync tensor on one GPU, or --trainer-device)")
-    return place.device
+    return place
 
 
 class ColocatedTrainer:
@@ -88,9 +87,7 @@ class DistributedTrainer:
         from weight_sync.remote import serve_engine
 
         ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         mine, theirs = ctx.Pipe()
         serve_engine(engine, mine)
         self._ctl, ctl = ctx.Pipe()

@@ -16,7 +16,6 @@ import argparse
 import json
 import multiprocessing as mp
 import queue
-import socket
 import statistics
 import sys
 import time
@@ -126,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rollout import Engine
+    from rollout.ipc import free_port
     from weight_sync.placement import trainer_placement
     from weight_sync.remote import serve_engine
 
@@ -140,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     backend, trainer_device = place.backend, place.device
     ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     print(f"weight_sync.bench: {args.model or args.preset}, {args.dtype}, engine {device} tp={args.tp_size}, "
           f"trainer {trainer_device}, {backend}, buckets {args.bucket_mb:g} MiB", flush=True)
     with Engine(model_path, tp_size=args.tp_size, dtype=args.dtype, device=device, max_total_tokens=1024,

@@ -322,11 +322,11 @@ def test_grpo_distributed_trainer_needs_a_gpu_of_its_own(device, tp, visible, ex
     bench says so rather than timing gloo through host memory on a shared GPU."""
     import torch
 
-    from benchmarks.grpo_trainer import default_trainer_device
+    from benchmarks.grpo_trainer import distributed_placement
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     if expected is None:
         with pytest.raises(ValueError, match="needs a GPU for the trainer"):
-            default_trainer_device(device, tp)
+            distributed_placement(device, tp)
     else:
-        assert default_trainer_device(device, tp) == expected
+        assert distributed_placement(device, tp).device == expected

@@ -19,7 +19,9 @@ import argparse
 import torch
 
 
-def _graph(fn, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+def capture_graph(fn, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    """``fn`` run once eagerly on ``stream`` (warm-up), then captured there as a CUDA graph (also used by
+    ``exp_tbo.py``)."""
     with torch.cuda.stream(stream):
         fn()
         torch.cuda.synchronize()
@@ -86,23 +88,24 @@ def main() -> None:
         decode_attention(q, k_buf, v_buf, indptr, indices, d ** -0.5, splits, out=out)
 
     sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
-    gb = _graph(decode_layer, sb)
+    gb = capture_graph(decode_layer, sb)
     kv_gb = 2 * slots * hk * d * 2 / 1e9
     flops = 2 * args.tokens * h * ((hq + 2 * hk) * d) + 2 * args.tokens * hq * d * h + 2 * args.tokens * h * 3 * inter
-    t_b1 = _time(lambda: _launch([(gb, sb, 1)]))
+    t_b1 = _time(lambda: replay_on_streams([(gb, sb, 1)]))
     print(f"{torch.cuda.get_device_name(dev)}; prefill: {args.tokens} tokens x one 8B layer's GEMMs "
           f"({flops / 1e12:.2f} TFLOP); decode attention: batch {args.batch} x {args.context} tokens, {splits} splits "
           f"({kv_gb:.2f} GB, {kv_gb / t_b1:.2f} TB/s alone)")
     base_a = None
     for carveout in (int(c) for c in args.gemm_sm_carveout.split(",")):
         torch._C._set_sm_carveout_experimental(carveout or None)  # read when a GEMM is captured
-        ga = _graph(prefill_layer, sa)
+        ga = capture_graph(prefill_layer, sa)
         torch._C._set_sm_carveout_experimental(None)
-        t_a1 = _time(lambda: _launch([(ga, sa, 1)]))
+        t_a1 = _time(lambda: replay_on_streams([(ga, sa, 1)]))
         reps_a = 4
         reps_b = reps_a * max(1, round(t_a1 / t_b1))
-        t_a, t_b = _time(lambda: _launch([(ga, sa, reps_a)])), _time(lambda: _launch([(gb, sb, reps_b)]))
-        t_ab = _time(lambda: _launch([(ga, sa, reps_a), (gb, sb, reps_b)]))
+        t_a = _time(lambda: replay_on_streams([(ga, sa, reps_a)]))
+        t_b = _time(lambda: replay_on_streams([(gb, sb, reps_b)]))
+        t_ab = _time(lambda: replay_on_streams([(ga, sa, reps_a), (gb, sb, reps_b)]))
         base_a = base_a or t_a  # the first carveout's A is the reference (list 0 first)
         print(f"GEMM SM carveout {carveout:3d}: {flops / t_a1 / 1e9:.0f} TFLOP/s alone; A = {reps_a} prefill layers "
               f"{t_a:.3f} ms alone; B = {reps_b} decode layers {t_b:.3f} ms alone; together {t_ab:.3f} ms; "
@@ -110,8 +113,9 @@ def main() -> None:
               f"{(base_a + t_b) / t_ab:.2f}", flush=True)
 
 
-def _launch(graph_reps: list[tuple[torch.cuda.CUDAGraph, torch.cuda.Stream, int]]) -> None:
-    """Replay each graph ``reps`` times on its own stream, all after and before the current stream."""
+def replay_on_streams(graph_reps: list[tuple[torch.cuda.CUDAGraph, torch.cuda.Stream, int]]) -> None:
+    """Replay each graph ``reps`` times on its own stream (entries of one stream in list order), all after and
+    before the current stream."""
     cur = torch.cuda.current_stream()
     for g, stream, reps in graph_reps:
         stream.wait_stream(cur)

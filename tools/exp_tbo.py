@@ -24,6 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout.kernels.decode_attention import decode_attention, num_kv_splits  # noqa: E402
+from tools.exp_corun import capture_graph, replay_on_streams  # noqa: E402
 
 LAYERS, HIDDEN, INTER, HQ, HK, D = 28, 1024, 3072, 16, 8, 128
 
@@ -57,32 +58,15 @@ class Step:
             x = F.linear(flashinfer.activation.silu_and_mul(F.linear(o, w_gu)), w_down)
 
 
-def graph(fn, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
-    with torch.cuda.stream(stream):
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            fn()
-    torch.cuda.synchronize()
-    return g
-
-
-def timed(plan: list[tuple[list[torch.cuda.CUDAGraph], torch.cuda.Stream]], repeats: int = 7) -> float:
-    """Median ms of replaying each stream's graphs in order, the streams at once."""
+def timed(entries: list[tuple[torch.cuda.CUDAGraph, torch.cuda.Stream, int]], repeats: int = 7) -> float:
+    """Median ms of ``replay_on_streams(entries)``: each graph replayed on its stream, in order per stream,
+    the streams at once."""
     times = []
-    cur = torch.cuda.current_stream()
     for _ in range(repeats):
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for graphs, stream in plan:
-            stream.wait_stream(cur)
-            with torch.cuda.stream(stream):
-                for g in graphs:
-                    g.replay()
-        for _, stream in plan:
-            cur.wait_stream(stream)
+        replay_on_streams(entries)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
@@ -112,10 +96,10 @@ def main() -> None:
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
         steps = [Step(weights, kv, indptr, indices, first, n, sms)  # alive while their graphs replay
                  for first, n in ((0, batch), (0, batch // 2), (batch // 2, batch // 2))]
-        whole, half_a, half_b = graph(steps[0], s1), graph(steps[1], s1), graph(steps[2], s2)
-        t_whole = timed([([whole], s1)])
-        t_seq = timed([([half_a], s1), ([half_b], s1)])
-        t_tbo = timed([([half_a], s1), ([half_b], s2)])
+        whole, half_a, half_b = (capture_graph(step, s) for step, s in zip(steps, (s1, s1, s2)))
+        t_whole = timed([(whole, s1, 1)])
+        t_seq = timed([(half_a, s1, 1), (half_b, s1, 1)])
+        t_tbo = timed([(half_a, s1, 1), (half_b, s2, 1)])
         kv_gb = LAYERS * 2 * slots * HK * D * 2 / 1e9
         print(f"{torch.cuda.get_device_name(dev)}; batch {batch} x {args.context} tokens ({kv_gb:.1f} GB of KV): "
               f"whole {t_whole:.3f} ms; halves in turn {t_seq:.3f} ms; halves on two streams {t_tbo:.3f} ms; "
