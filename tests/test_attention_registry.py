@@ -44,6 +44,28 @@ def test_auto_on_cuda_follows_the_gpu_extra(monkeypatch):
     assert registry.resolve_attention_backend("auto", cuda) == "flashinfer"
 
 
+def test_a_float32_model_on_cuda_runs_the_torch_path(monkeypatch):
+    """FlashInfer's attention, norm and activation kernels take float16 / bfloat16 only: "auto" picks torch for
+    a float32 model on CUDA (rollout-smoke's default dtype), the engine leaves its fused kernels off, and an
+    explicit "flashinfer" is refused with the reason."""
+    from rollout.config import EngineConfig
+    from rollout.model_executor import model_runner
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(registry, "has_gpu_extra", lambda: True)
+    monkeypatch.setattr(model_runner, "_has_module", lambda name: True)
+    assert registry.resolve_attention_backend("auto", cuda, torch.float32) == "torch_native"
+    assert type(create_attention_backend(spec("cuda"))) is TorchNativeBackend  # spec() is a float32 model
+    for dtype in (torch.float16, torch.bfloat16):
+        assert registry.resolve_attention_backend("auto", cuda, dtype) == "flashinfer"
+    with pytest.raises(ValueError, match="needs a float16 or bfloat16 model, not torch.float32"):
+        create_attention_backend(spec("cuda"), "flashinfer")
+    config = EngineConfig(model_path="unused")
+    assert not model_runner.use_fused_kernels(config, cuda, torch.float32)
+    assert model_runner.use_fused_kernels(config, cuda, torch.bfloat16)
+    assert not model_runner.use_fused_kernels(config, torch.device("cpu"), torch.bfloat16)
+
+
 def test_unknown_names_are_refused():
     with pytest.raises(ValueError, match="unknown attention backend 'fa3'"):
         create_attention_backend(spec(), "fa3")

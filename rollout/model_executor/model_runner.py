@@ -10,7 +10,7 @@ import torch
 
 from rollout.attention.base import AttentionBackend
 from rollout.attention.common import AttentionSpec
-from rollout.attention.registry import create_attention_backend
+from rollout.attention.registry import GPU_KERNEL_DTYPES, create_attention_backend
 from rollout.config import EngineConfig, ModelConfig, kv_cache_torch_dtype, resolve_torch_dtype
 from rollout.device_copy import list_to_device, to_device
 from rollout.distributed import TPGroup
@@ -24,6 +24,14 @@ from rollout.model_executor.memory_saver import create_memory_saver, unique_tens
 from rollout.models.loader import build_model
 
 logger = logging.getLogger(__name__)
+
+
+def use_fused_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """The fused kernels (FlashInfer norm / activation, Triton rope + KV store and sampling) run for float16 and
+    bfloat16 models on CUDA with the ``gpu`` extra (``config.fused_kernels``); a float32 model runs the torch
+    path, since FlashInfer's kernels take half-precision tensors only."""
+    return (config.fused_kernels and device.type == "cuda" and dtype in GPU_KERNEL_DTYPES
+            and _has_module("flashinfer") and _has_module("triton"))
 
 
 @dataclass
@@ -101,9 +109,7 @@ class ModelRunner:
         self.dtype = resolve_torch_dtype(config, model_cfg)
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.context_len = _context_len(config, model_cfg)
-        # fused kernels (CUDA only): FlashInfer norm/activation, Triton rope+KV store and sampling
-        fused = (config.fused_kernels and device.type == "cuda" and _has_module("flashinfer")
-                 and _has_module("triton"))
+        fused = use_fused_kernels(config, device, self.dtype)
         if config.quantization == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
             raise ValueError("quantization='fp8' needs a GPU of compute capability 9.0 or newer (Hopper): its "
                              "row-wise scaled fp8 GEMMs do not run on older GPUs")
