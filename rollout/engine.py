@@ -51,7 +51,7 @@ class Engine:
         self.tokenizer_manager = TokenizerManager(self.config, self._procs.paths, self.model_config,
                                                   self.tokenizer, self._procs.context_len, self._procs.alive)
         self._closed = False
-        self._ipc_handles: Any = None  # IpcHandleCache of the last update_weights_from_tensor
+        self._ipc_handles: Any = None  # IpcHandleCache: what the engine ranks have mapped (ipc_protocol)
         self._finalizer = weakref.finalize(self, _shutdown, self.tokenizer_manager, self._procs)
         atexit.register(self._finalizer)
 
@@ -217,11 +217,12 @@ class Engine:
                                    flush_cache: bool = True, check_finite: bool = False,
                                    async_op: bool = False) -> Any:
         """Load tensors from a colocated trainer: CUDA IPC handles on GPU, one shared-memory buffer on CPU."""
-        from rollout.weights.shared_tensors import IpcHandleCache, share
+        from rollout.weights.ipc_protocol import IpcHandleCache
+        from rollout.weights.shared_tensors import share
 
         named = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
         self._ipc_handles = self._ipc_handles or IpcHandleCache(receivers=self.config.tp_size)
-        specs, payload, done = share(named, self._ipc_handles)
+        specs, payload, done = share(named, self._ipc_handles, ends_push=flush_cache or weight_version is not None)
         fut = self._call(UpdateWeightsFromTensorReq(specs=specs, payload=payload, flush_cache=flush_cache,
                                                     weight_version=weight_version, check_finite=check_finite), True)
         fut.add_done_callback(lambda f: done(not f.cancelled() and f.exception() is None))

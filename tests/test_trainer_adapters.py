@@ -237,7 +237,7 @@ def _gather_rows_rank(rank: int, port: int, result_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from trainer_adapters.fsdp2 import gather_rows
+    from trainer_adapters.fsdp2 import BucketBuffers, gather_rows
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -246,11 +246,23 @@ def _gather_rows_rank(rank: int, port: int, result_path: str) -> None:
         gen = torch.Generator().manual_seed(0)
         fulls = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen).to(torch.bfloat16),
                  torch.randn(2, 4, generator=gen).to(torch.float16), torch.randn(1, 6, generator=gen)]
-        gathered = gather_rows([distribute_tensor(t, mesh, [Shard(0)]) for t in fulls])
+        shards = [distribute_tensor(t, mesh, [Shard(0)]) for t in fulls]
+        gathered = gather_rows(shards)
+        # buckets in turn through two buffer sets (FSDP2Source.gathered): bucket 3 reuses bucket 1's memory,
+        # and bucket 2 stays intact meanwhile
+        slots = [BucketBuffers((0, 0)), BucketBuffers((0, 0))]
+        first = gather_rows(shards[:2], slots[0])
+        first_equal = [torch.equal(a, b) for a, b in zip(first, fulls[:2])]
+        second = gather_rows(shards[2:], slots[1])
+        third = gather_rows(shards[:2], slots[0])
         if rank == 0:
             torch.save({"equal": [torch.equal(a, b) for a, b in zip(gathered, fulls)],
-                        "dtypes": [str(g.dtype) for g in gathered]}, result_path)
-        del mesh, gathered
+                        "dtypes": [str(g.dtype) for g in gathered],
+                        "buckets_equal": first_equal + [torch.equal(a, b) for a, b in
+                                                        zip(second + third, fulls[2:] + fulls[:2])],
+                        "reused": [a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                                   for a, b in zip(first, third)]}, result_path)
+        del mesh, gathered, shards, first, second, third
     finally:
         dist.destroy_process_group()
         # The gloo group's worker threads must be joined before the interpreter finalizes: a worker that
@@ -261,7 +273,8 @@ def _gather_rows_rank(rank: int, port: int, result_path: str) -> None:
 
 
 def test_fsdp2_bucket_gather_matches_full_tensors(tmp_path):
-    """gather_rows over two gloo ranks: uneven row splits (a rank with no rows), mixed dtypes, one collective."""
+    """gather_rows over two gloo ranks: uneven row splits (a rank with no rows), mixed dtypes, one collective;
+    buckets gathered in turn into two reused buffer sets."""
     import torch.multiprocessing as mp
 
     out = tmp_path / "gathered.pt"
@@ -269,6 +282,7 @@ def test_fsdp2_bucket_gather_matches_full_tensors(tmp_path):
     result = torch.load(out)
     assert result["equal"] == [True] * 4
     assert result["dtypes"] == ["torch.float32", "torch.bfloat16", "torch.float16", "torch.float32"]
+    assert result["buckets_equal"] == [True] * 6 and result["reused"] == [True, True]
 
 
 @pytest.mark.parametrize("size, start, width", [(64, 0, 8), (36, 0, 4), (38, 2, 2), (37, 1, 1)])

@@ -1,6 +1,7 @@
-"""Where the colocated FSDP2 push's time goes (GPU): ``FSDP2Source.gathered`` over every bucket alone, then
-``update_weights_from_tensor`` of the pre-gathered buckets with the engine's per-bucket split (seconds, open,
-load, flush), for 1 GiB and 4 GiB buckets, on a one-rank FSDP2 model with a preset's shapes.
+"""Where the colocated FSDP2 push's time goes (GPU): ``FSDP2Source.gathered`` over every bucket alone, then the
+whole ``push_colocated`` (gathering ahead) with the engine's per-bucket split (seconds, open, load, flush), for
+1 GiB and 4 GiB buckets, on a one-rank FSDP2 model with a preset's shapes. (The gathered buckets share two
+buffer sets, so they cannot all be gathered first and pushed after.)
 
     python tools/profile_fsdp2_push.py [--preset llama-3.1-8b] [--repeats 3]
 """
@@ -28,6 +29,7 @@ def main() -> int:
     from benchmarks.presets import write_preset
     from rollout import Engine
     from rollout.ipc import free_port
+    from trainer_adapters import push_colocated
     from trainer_adapters.senders import param_source
 
     path = write_preset(args.preset)
@@ -45,17 +47,16 @@ def main() -> int:
             for _ in range(args.repeats):
                 torch.cuda.synchronize()
                 t = time.perf_counter()
-                buckets = list(source.gathered(plan))
+                for _bucket in source.gathered(plan):
+                    pass
                 torch.cuda.synchronize()
                 gather = time.perf_counter() - t
                 t = time.perf_counter()
-                res = [engine.update_weights_from_tensor(b, flush_cache=k == len(buckets) - 1)
-                       for k, b in enumerate(buckets)]
+                res = [r[0] for r in push_colocated(module, [engine], bucket_bytes=bucket_bytes)["results"]]
                 push = time.perf_counter() - t
-                del buckets
                 split = {k: [round(r.get(k, 0.0) * 1e3, 1) for r in res[:6]] for k in ("seconds", "open_s", "load_s",
                                                                                      "flush_s")}
-                print(f"  gather all {gather * 1e3:.1f} ms; push the gathered buckets {push * 1e3:.1f} ms; "
+                print(f"  gather all alone {gather * 1e3:.1f} ms; push_colocated {push * 1e3:.1f} ms; "
                       f"engine per bucket (first 6, ms): {split}")
         dist.destroy_process_group()
     return 0

@@ -45,10 +45,15 @@ def is_fsdp1(model: Any) -> bool:
 
 
 class FSDP2Source(ParamSource):
-    """Parameters of an FSDP2 model; ``full_tensor()`` is a collective over the sharding mesh."""
+    """Parameters of an FSDP2 model; ``full_tensor()`` is a collective over the sharding mesh.
+
+    ``gathered`` writes its buckets in turn into two sets of buffers that live as long as the iteration, so a
+    yielded bucket stays valid until the iterator has moved on twice (the next bucket can be gathered while
+    the engines read this one), and a colocated engine maps each buffer once per push instead of every
+    bucket's tensors (``rollout.weights.ipc_protocol``)."""
 
     kind = "fsdp2"
-    owns_buckets = True  # each bucket is a fresh buffer (or ``full_tensor()`` results) that we hold
+    owns_buckets = True  # each bucket stays valid for one more step of the iteration (two buffer sets)
 
     def full_shape(self, p: torch.Tensor) -> torch.Size:
         return p.shape  # a DTensor reports its global shape
@@ -58,10 +63,13 @@ class FSDP2Source(ParamSource):
         return t.full_tensor() if is_dtensor(t) else t
 
     def gathered(self, plan: list[list[int]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        for bucket in plan:
-            params = [self.params[i][1].detach() for i in bucket]
-            rows = [p for p in params if _row_sharded(p, params[0])]
-            full = dict(zip(map(id, rows), gather_rows(rows))) if rows else {}
+        params_of = [[self.params[i][1].detach() for i in bucket] for bucket in plan]
+        rows_of = [[p for p in params if _row_sharded(p, params[0])] for params in params_of]
+        sizes = [gather_sizes(rows) for rows in rows_of if rows]
+        need = (max(s[0] for s in sizes), max(s[1] for s in sizes)) if sizes else (0, 0)
+        slots = [BucketBuffers(need), BucketBuffers(need)]
+        for k, (bucket, params, rows) in enumerate(zip(plan, params_of, rows_of)):
+            full = dict(zip(map(id, rows), gather_rows(rows, slots[k % 2]))) if rows else {}
             yield [(self.params[i][0], full[id(p)] if id(p) in full else self.full_tensor(p))
                    for i, p in zip(bucket, params)]
 
@@ -74,37 +82,81 @@ def _row_sharded(p: Any, first: Any) -> bool:
             and p.shape[0] > 0 and tuple(p.placements) == (Shard(0),))
 
 
-def gather_rows(params: list[Any]) -> list[torch.Tensor]:
-    """Full tensors of dim-0-sharded DTensors of one 1-D mesh, with one in-place ``all_gather_into_tensor``
-    of their bytes. Rank r holds rows [r*c, (r+1)*c) of each (c = ceil(rows / ranks), ``torch.chunk``'s
-    split), so each rank's part is c rows long, padded (and 16-byte aligned). On one rank the results are views of the buffer;
-    otherwise each is copied out of the rank-major buffer."""
-    mesh = params[0].device_mesh
-    ranks, rank = mesh.size(), mesh.get_local_rank()
+def _align(n: int) -> int:
+    return -(-n // 16) * 16  # 16-byte aligned, for any dtype's view
+
+
+def _layout(params: list[Any], ranks: int) -> tuple[list[tuple[int, int, int]], int]:
+    """(offset, chunk bytes, row bytes) of each parameter in one rank's part of the gather buffer, and the
+    part's size: rank r holds rows [r*c, (r+1)*c) of each (c = ceil(rows / ranks), ``torch.chunk``'s split),
+    so each rank's part is c rows long, padded."""
     layout, total = [], 0
     for p in params:
-        total = -(-total // 16) * 16  # aligned for any dtype's view
+        total = _align(total)
         row_bytes = p.numel() // p.shape[0] * p.element_size()
         chunk = -(-p.shape[0] // ranks) * row_bytes
         layout.append((total, chunk, row_bytes))
         total += chunk
-    total = -(-total // 16) * 16  # so every rank's part starts 16-byte aligned too
+    return layout, _align(total)  # so every rank's part starts aligned too
+
+
+def gather_sizes(params: list[Any]) -> tuple[int, int]:
+    """Bytes ``gather_rows`` needs for ``params``: (the all-gather buffer, the full tensors beside it; 0 on one
+    rank, where the full tensors are views of the all-gather buffer)."""
+    ranks = params[0].device_mesh.size()
+    layout, total = _layout(params, ranks)
+    if ranks == 1:
+        return total, 0
+    out = 0
+    for offset, chunk, _ in layout:
+        out = _align(out) + ranks * chunk
+    return ranks * total, out
+
+
+class BucketBuffers:
+    """One bucket's uint8 buffers on the device, allocated at their first use at the sizes given (the largest
+    bucket's ``gather_sizes``) and reused by every later bucket in this slot."""
+
+    def __init__(self, sizes: tuple[int, int]) -> None:
+        self.sizes = sizes
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    def get(self, which: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The first ``nbytes`` of buffer ``which`` (0: the all-gather, 1: the full tensors)."""
+        buf = self._buffers[which]
+        if buf is None or buf.numel() < nbytes:
+            buf = self._buffers[which] = torch.empty(max(nbytes, self.sizes[which]), dtype=torch.uint8,
+                                                     device=device)
+        return buf[:nbytes]
+
+
+def gather_rows(params: list[Any], buffers: BucketBuffers | None = None) -> list[torch.Tensor]:
+    """Full tensors of dim-0-sharded DTensors of one 1-D mesh, with one in-place ``all_gather_into_tensor``
+    of their bytes (``_layout``), in ``buffers`` (fresh ones unless given). On one rank the results are views
+    of the all-gather buffer; otherwise each is copied out of the rank-major buffer into the second one."""
+    mesh = params[0].device_mesh
+    ranks, rank = mesh.size(), mesh.get_local_rank()
+    layout, total = _layout(params, ranks)
     local = params[0].to_local()
-    out = torch.empty((ranks, total), dtype=torch.uint8, device=local.device)
+    buffers = buffers or BucketBuffers(gather_sizes(params))
+    out = buffers.get(0, ranks * total, local.device).view(ranks, total)
     mine = out[rank]
     for p, (offset, _, _) in zip(params, layout):
         part = p.to_local().contiguous().view(-1).view(torch.uint8)
         mine[offset:offset + part.numel()].copy_(part)  # contiguous to contiguous: one memcpy
     if ranks > 1:
         dist.all_gather_into_tensor(out.view(-1), mine, group=mesh.get_group())
-    full = []
+        dest = buffers.get(1, gather_sizes(params)[1], local.device)
+    full, at = [], 0
     for p, (offset, chunk, row_bytes) in zip(params, layout):
         n = p.shape[0] * row_bytes
         if ranks == 1:
             flat = out[0, offset:offset + n]
         else:  # the rank-major parts, back to back
-            flat = torch.empty(ranks * chunk, dtype=torch.uint8, device=out.device)
+            at = _align(at)
+            flat = dest[at:at + ranks * chunk]
             copy_bytes(flat.view(ranks, chunk), out[:, offset:offset + chunk])
+            at += ranks * chunk
             flat = flat[:n]
         full.append(flat.view(p.dtype).view(p.shape))
     return full

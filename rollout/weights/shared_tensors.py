@@ -1,30 +1,10 @@
 """Tensors shared with the scheduler processes without copying them through ZeroMQ.
 
-CUDA tensors travel as CUDA IPC handles; CPU tensors are copied once into one POSIX shared-memory
-buffer (the flattened-bucket layout of ``rollout.weights.buckets``) that the schedulers map. ``share`` runs
-in the process that holds the tensors, ``open_shared`` in each scheduler.
-
-torch's IPC reference counting (Note [CUDA IPC Refcounting implementation explained]): every
-``reduce_tensor`` of a storage sets a fresh counter to 1 for the one mapping that will be made of it, and
-that counter drops to 0 when the mapping is closed; a storage the sender frees while a counter is above 0
-waits in the sender's "limbo" instead of being reused. So each exported handle must be mapped exactly
-once and closed exactly once, by one receiver.
-
-A colocated trainer pushes the same parameters every step, and exporting (``cudaIpcGetMemHandle``) and
-mapping (``cudaIpcOpenMemHandle``) cost more than copying a small tensor, so both sides remember the last
-push under one protocol. Each tensor of a "cuda_ipc_synced" payload comes with a mode:
-
-- ``"once"``: a tensor not in the last push (a trainer's temporary, or a parameter seen the first time):
-  mapped, loaded, closed;
-- ``"keep"``: a tensor in the last push as "once": exported again, mapped and kept open;
-- ``"reuse"``: a tensor the receiver keeps open from the last push: the same handle, not mapped again.
-
-The receiver closes every kept mapping the newest push does not name, and closes all of them when a push
-fails or the engine shuts down; the sender, told of a failure, forgets its state too (``IpcHandleCache``,
-``OpenedIpcTensors``). Mappings kept across sleep and wake are the trainer's live parameters, no memory of
-the engine's; a trainer that frees parameters the engine still maps gets their memory back at its next
-push. The sender synchronizes its devices before a push, so receivers need not wait on IPC events. With
-TP > 1 every rank gets its own exports (one counter per mapping).
+CUDA tensors travel as CUDA IPC handles, under the protocol of ``rollout.weights.ipc_protocol`` (each
+storage exported once per push at most, mappings kept while the trainer reuses them); CPU tensors are copied
+once into one POSIX shared-memory buffer (the flattened-bucket layout of ``rollout.weights.buckets``) that the
+schedulers map. ``share`` runs in the process that holds the tensors, ``open_shared`` and ``close_shared`` in
+each scheduler.
 """
 
 from __future__ import annotations
@@ -35,87 +15,18 @@ import torch
 
 from rollout.dtypes import dtype_name
 from rollout.weights.buckets import TensorSpec, unflatten
+from rollout.weights.ipc_protocol import IpcHandleCache, OpenedIpcTensors
 
 # rebuild_cuda_tensor's arguments (torch.multiprocessing.reductions): index of the storage's device
 _IPC_STORAGE_DEVICE = 6
-IPC_MODES = ("once", "keep", "reuse")
 
 
-class IpcHandleCache:
-    """The sender's side: per live tensor (keyed by storage, data pointer, offset, shape, stride and
-    dtype), how often it was pushed in a row and, once kept, each receiver's ``rebuild_cuda_tensor``
-    arguments. Updated when a push is sent; ``reset()`` after a failed push."""
-
-    def __init__(self, receivers: int = 1) -> None:
-        self.receivers = receivers
-        self._entries: dict[tuple, tuple[Any, str, list[tuple] | None]] = {}  # key -> (weakref, mode, args)
-
-    def export(self, tensors: list[torch.Tensor]) -> list[list[tuple[tuple, str]]]:
-        """Per receiver, (``rebuild_cuda_tensor`` arguments, mode) of each tensor."""
-        from torch.multiprocessing.reductions import StorageWeakRef, reduce_tensor
-
-        entries: dict[tuple, tuple[Any, str, list[tuple] | None]] = {}
-        out: list[list[tuple[tuple, str]]] = [[] for _ in range(self.receivers)]
-        for t in tensors:
-            storage = t.untyped_storage()
-            key = (storage._cdata, storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-            entry = entries.get(key)
-            if entry is None:
-                last = self._entries.get(key)
-                if last is not None and last[0].expired():
-                    last = None
-                mode = "once" if last is None else "keep" if last[1] == "once" else "reuse"
-                args = last[2] if mode == "reuse" else [reduce_tensor(t)[1] for _ in range(self.receivers)]
-                entry = entries[key] = (StorageWeakRef(storage), mode, args)
-            for r in range(self.receivers):
-                out[r].append((entry[2][r], entry[1]))
-        self._entries = {k: (ref, mode, args if mode != "once" else None) for k, (ref, mode, args) in entries.items()}
-        return out
-
-    def reset(self) -> None:
-        self._entries = {}
-
-
-class OpenedIpcTensors:
-    """The receiver's side: the mappings kept open from the last push, by handle."""
-
-    def __init__(self) -> None:
-        self._tensors: dict[tuple, torch.Tensor] = {}
-
-    def open(self, exported: list[tuple[tuple, str]]) -> list[torch.Tensor]:
-        """The tensors of one push; a handle named twice in it is mapped once."""
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        mapped: dict[tuple, torch.Tensor] = {}
-        kept: dict[tuple, torch.Tensor] = {}
-        out = []
-        for args, mode in exported:
-            if mode not in IPC_MODES:
-                raise ValueError(f"unknown IPC mode {mode!r}")
-            t = mapped.get(args)
-            if t is None and mode == "reuse":
-                t = self._tensors.get(args)
-                if t is None:
-                    raise RuntimeError("a reused CUDA IPC handle is not open here (the sender and the engine "
-                                       "disagree about the last push); push again")
-            if t is None:
-                t = rebuild_cuda_tensor(*args)
-            mapped[args] = t
-            if mode != "once":
-                kept[args] = t
-            out.append(t)
-        self._tensors = kept
-        return out
-
-    def clear(self) -> None:
-        self._tensors = {}
-
-
-def share(named: list[tuple[str, torch.Tensor]], handles: IpcHandleCache | None = None
+def share(named: list[tuple[str, torch.Tensor]], handles: IpcHandleCache | None = None, ends_push: bool = True
           ) -> tuple[list[tuple[str, str, list[int]]], Any, Callable[[bool], None]]:
     """(specs, payload, done): call ``done(ok)`` once every receiver has replied (``ok``: all succeeded).
     CUDA tensors: the devices are synchronized first, so the receivers read finished values; ``handles``
-    (one receiver unless given) remembers the exports for the next push."""
+    (one receiver unless given) remembers what the receivers have open; ``ends_push``: this call completes
+    the update (``ipc_protocol``)."""
     if not named:
         raise ValueError("no tensors to update")
     specs = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in named]
@@ -125,7 +36,7 @@ def share(named: list[tuple[str, torch.Tensor]], handles: IpcHandleCache | None 
         for device in {t.device for t in tensors}:
             torch.cuda.synchronize(device)
         handles = handles or IpcHandleCache()
-        payload = ("cuda_ipc_synced", handles.export(tensors))
+        payload = ("cuda_ipc_synced", handles.export(tensors, ends_push))
 
         def done(ok: bool) -> None:
             tensors.clear()
@@ -157,13 +68,13 @@ def share(named: list[tuple[str, torch.Tensor]], handles: IpcHandleCache | None 
 def open_shared(specs: list[TensorSpec], payload: Any, opened: OpenedIpcTensors | None = None, rank: int = 0
                 ) -> list[tuple[str, torch.Tensor]]:
     """The tensors of a ``share`` payload, in TP rank ``rank``'s scheduler: ("cuda_ipc_synced", [per rank:
-    [(rebuild args, mode)]]), ("cuda_ipc", [rebuild args]) or ("shm", name: views of the sender's buffer,
-    no copy). ``opened`` keeps "cuda_ipc_synced" mappings for the next push."""
+    ``IpcRankPayload``]), ("cuda_ipc", [rebuild args]) or ("shm", name: views of the sender's buffer, no
+    copy). ``opened`` holds the "cuda_ipc_synced" mappings between calls; after loading, ``close_shared``."""
     kind, data = payload
     if kind == "cuda_ipc_synced":
-        if not 0 <= rank < len(data) or len(data[rank]) != len(specs):
-            raise ValueError(f"the CUDA IPC payload has no {len(specs)} handles for TP rank {rank}")
-        return list(zip((spec.name for spec in specs), (opened or OpenedIpcTensors()).open(data[rank])))
+        if not 0 <= rank < len(data):
+            raise ValueError(f"the CUDA IPC payload has no part for TP rank {rank}")
+        return list(zip((spec.name for spec in specs), (opened or OpenedIpcTensors()).open(data[rank], specs)))
     if kind == "cuda_ipc":
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
@@ -173,6 +84,13 @@ def open_shared(specs: list[TensorSpec], payload: Any, opened: OpenedIpcTensors 
         flat = torch.from_file(f"/dev/shm/{data.lstrip('/')}", shared=True, size=max(nbytes, 1), dtype=torch.uint8)
         return unflatten(flat[:nbytes], specs)
     raise ValueError(f"unknown shared tensor payload {kind!r}")
+
+
+def close_shared(payload: Any, opened: OpenedIpcTensors, rank: int = 0) -> None:
+    """After TP rank ``rank`` loaded a ``share`` payload: close the mappings the sender asked it to close."""
+    kind, data = payload
+    if kind == "cuda_ipc_synced":
+        opened.close(data[rank])
 
 
 def ipc_args_on_device(ipc_handle: Any, device_index: int) -> tuple:

@@ -23,7 +23,8 @@ from rollout.io_struct import (BenchmarkReceiveReq, DestroyProcessGroupReq, Flus
                                UpdateWeightVersionReq, WeightsFingerprintReq)
 from rollout.weights.buckets import parse_specs
 from rollout.weights.group import WeightGroups
-from rollout.weights.shared_tensors import OpenedIpcTensors, open_shared
+from rollout.weights.ipc_protocol import OpenedIpcTensors
+from rollout.weights.shared_tensors import close_shared, open_shared
 from rollout.weights.updater import TransferError, WeightUpdater, assemble
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class WeightSync:
         self.weight_version = weight_version
         self.version_before_session: str | None = None
         self.timing: dict[str, float] = {}
-        self.opened = OpenedIpcTensors()  # a colocated trainer's tensors, mapped once (shared_tensors)
+        self.opened = OpenedIpcTensors()  # a colocated trainer's storages kept mapped (ipc_protocol)
 
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
         """The control requests this component runs, by type (part of ``Scheduler.control_handlers``)."""
@@ -122,7 +123,11 @@ class WeightSync:
             t_open = time.perf_counter()
             problems = self._problems(specs)
             self.timing = {"open_s": t_open - start, "validate_s": time.perf_counter() - t_open}
-            return self._apply(tensors, problems, start, req.flush_cache, req.weight_version, req.check_finite, None)
+            result = self._apply(tensors, problems, start, req.flush_cache, req.weight_version, req.check_finite,
+                                 None)
+            del tensors
+            close_shared(req.payload, self.opened, self.tp.rank)
+            return result
         except BaseException:
             self.opened.clear()  # the sender forgets its exports too when told of the failure
             raise
