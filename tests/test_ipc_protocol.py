@@ -20,6 +20,7 @@ import torch.multiprocessing.reductions as reductions
 
 from rollout.weights.buckets import TensorSpec
 from rollout.weights.ipc_protocol import IpcHandleCache, OpenedIpcTensors
+from rollout.weights.shared_tensors import close_shared, open_shared
 
 
 class FakeIpc:
@@ -225,3 +226,17 @@ def test_a_view_past_its_storage_is_refused(ipc):
     payload = IpcHandleCache().export([t])[0]
     with pytest.raises(ValueError, match="runs past its storage"):
         OpenedIpcTensors().open(payload, [TensorSpec("x", torch.float32, (5,))])
+
+
+def test_the_scheduler_path_keeps_its_mappings_in_the_receiver_it_is_given(ipc):
+    """``open_shared`` / ``close_shared`` (what WeightSync calls) with a receiver that has nothing open yet."""
+    params = [torch.randn(4), torch.randn(2, 3)]
+    sender, receiver = IpcHandleCache(), OpenedIpcTensors()
+    for push in range(4):
+        payload = ("cuda_ipc_synced", sender.export(params))
+        named = open_shared(specs_of(params), payload, receiver)
+        assert [n for n, _ in named] == ["t0", "t1"] and all(torch.equal(t, p) for (_, t), p in zip(named, params))
+        del named
+        close_shared(payload, receiver)
+        assert len(receiver) == (0 if push == 0 else 2)
+    assert ipc.maps == 4

@@ -35,7 +35,7 @@ def share(named: list[tuple[str, torch.Tensor]], handles: IpcHandleCache | None 
         tensors = [t.contiguous() for t in tensors]
         for device in {t.device for t in tensors}:
             torch.cuda.synchronize(device)
-        handles = handles or IpcHandleCache()
+        handles = IpcHandleCache() if handles is None else handles
         payload = ("cuda_ipc_synced", handles.export(tensors, ends_push))
 
         def done(ok: bool) -> None:
@@ -74,7 +74,7 @@ def open_shared(specs: list[TensorSpec], payload: Any, opened: OpenedIpcTensors 
     if kind == "cuda_ipc_synced":
         if not 0 <= rank < len(data):
             raise ValueError(f"the CUDA IPC payload has no part for TP rank {rank}")
-        return list(zip((spec.name for spec in specs), (opened or OpenedIpcTensors()).open(data[rank], specs)))
+        return list(zip((spec.name for spec in specs), (OpenedIpcTensors() if opened is None else opened).open(data[rank], specs)))
     if kind == "cuda_ipc":
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
