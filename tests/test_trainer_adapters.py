@@ -347,9 +347,10 @@ class _LoggingEngine:
 
 @pytest.mark.parametrize("owns", [True, False])
 def test_push_colocated_gathers_ahead_only_where_buckets_outlive_the_iteration(monkeypatch, owns):
-    """FSDP2-like sources (their buckets own their memory): bucket k+1 is gathered while the engines load
-    bucket k. ZeRO-3-like sources (leaving a bucket releases its gather): the next gather waits until the
-    engines are done. Either way the iteration is run to its end (a collective context is left in step)."""
+    """FSDP2-like sources (their buckets outlive one more step): bucket k+1 is gathered and sent while the
+    engines load bucket k, and bucket k-1's load is awaited before its memory is gathered into again.
+    ZeRO-3-like sources (leaving a bucket releases its gather): the next gather waits until the engines are
+    done. Either way the iteration is run to its end (a collective context is left in step)."""
     from trainer_adapters import push_colocated, senders
 
     log: list = []
@@ -357,8 +358,8 @@ def test_push_colocated_gathers_ahead_only_where_buckets_outlive_the_iteration(m
     out = push_colocated(object(), [_LoggingEngine(log)], bucket_bytes=1)
     assert out["buckets"] == 3 and [r[0]["complete"] for r in out["results"]] == [False, False, True]
     if owns:
-        assert log == ["gather 0", "push w0", "release 0", "gather 1", "loaded w0", "push w1", "release 1",
-                       "gather 2", "loaded w1", "push w2 flush", "release 2", "end", "loaded w2"]
+        assert log == ["gather 0", "push w0", "release 0", "gather 1", "push w1", "loaded w0", "release 1",
+                       "gather 2", "push w2 flush", "loaded w1", "release 2", "end", "loaded w2"]
     else:
         assert log == ["gather 0", "push w0", "loaded w0", "release 0", "gather 1", "push w1", "loaded w1",
                        "release 1", "gather 2", "push w2 flush", "loaded w2", "release 2", "end"]

@@ -88,9 +88,10 @@ def push_colocated(model: Any, engines: Sequence[Any] | None, *, bucket_bytes: i
     colocated with it (none on ranks without one). ``bucket_bytes=None`` sends the whole model in one
     call when its parameters are already full (a plain module: nothing is gathered or copied, the
     engines read the trainer's own tensors); sharded models (FSDP2, ZeRO-3) are gathered bucket by
-    bucket (default 1 GiB). FSDP2 gathers the next bucket while the engines load the current one (two
-    gathered buckets alive at a time); ZeRO-3 holds one (its gather ends when the iteration moves on). The
-    last call completes the update (cache flush, version bump). Returns {tensors, buckets, bytes, seconds,
+    bucket (default 1 GiB). FSDP2 gathers and sends the next bucket while the engines load the current one
+    (two gathered buckets alive at a time, so the engines never wait for the trainer between buckets); ZeRO-3
+    holds one (its gather ends when the iteration moves on). The last call completes the update (cache
+    flush, version bump). Returns {tensors, buckets, bytes, seconds,
     results} where engines were given, None elsewhere.
     """
     import time
@@ -106,20 +107,27 @@ def push_colocated(model: Any, engines: Sequence[Any] | None, *, bucket_bytes: i
         "bucket", DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes, dtype)
     start, nbytes, results = time.perf_counter(), 0, []
     buckets = source.gathered(plan)
-    bucket = next(buckets)
+    bucket, pending = next(buckets), None
     for k in range(len(plan)):
         if dtype is not None:
             bucket = [(n, t.to(dtype)) for n, t in bucket]
         last = k == len(plan) - 1
         futures = [e.update_weights_from_tensor(bucket, flush_cache=last, async_op=True,
                                                 weight_version=weight_version if last else None) for e in handles]
-        # the next bucket is gathered while the engines load this one (two gathered buckets alive) where the
-        # source's buckets outlive the iteration, else once they are done with it; the last next() ends
-        # the iteration on every rank (a ZeRO-3 gather context is left collectively, not at collection)
-        following = next(buckets, None) if source.owns_buckets else None
-        results.append([f.result(timeout) for f in futures])
         nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        bucket = following if source.owns_buckets else next(buckets, None)
+        # where the source's buckets outlive one more step of the iteration, the engines always have the next
+        # bucket queued: bucket k+1 is gathered (into bucket k-1's memory, once the engines are done with it)
+        # and sent while they load bucket k; else the next gather waits until they are done. The last
+        # next() ends the iteration on every rank (a ZeRO-3 gather context is left collectively)
+        if source.owns_buckets:
+            if pending is not None:
+                results.append([f.result(timeout) for f in pending])
+            pending = futures
+        else:
+            results.append([f.result(timeout) for f in futures])
+        bucket = next(buckets, None)
+    if pending is not None:
+        results.append([f.result(timeout) for f in pending])
     if not handles:
         return None
     return {"tensors": len(source.params), "buckets": len(plan), "bytes": nbytes,

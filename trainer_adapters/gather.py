@@ -32,9 +32,10 @@ class ParamMeta:
 class ParamSource:
     """Parameters of a plain module (no sharding): the tensors are already full on every rank.
 
-    ``owns_buckets``: a yielded bucket's tensors stay valid after the iterator moves on (they own their
-    memory), so the next bucket may be gathered while the engines still read this one. False here (nothing
-    is gathered: the tensors are the parameters) and for ZeRO-3 (leaving a bucket releases its gather)."""
+    ``owns_buckets``: a yielded bucket's tensors stay valid until the iterator has moved on twice (FSDP2's
+    two buffer sets), so the next bucket may be gathered and sent while the engines still read this one.
+    False here (nothing is gathered: the tensors are the parameters) and for ZeRO-3 (leaving a bucket
+    releases its gather)."""
 
     kind = "module"
     owns_buckets = False
