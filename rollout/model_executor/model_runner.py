@@ -110,6 +110,9 @@ class ModelRunner:
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.context_len = _context_len(config, model_cfg)
         fused = use_fused_kernels(config, device, self.dtype)
+        if device.type == "cuda" and self.dtype == torch.float32:
+            logger.info("a float32 model on CUDA runs the torch kernels (FlashInfer's take float16 / bfloat16 only); "
+                        "pass dtype='bfloat16' for the fast path")
         if config.quantization == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
             raise ValueError("quantization='fp8' needs a GPU of compute capability 9.0 or newer (Hopper): its "
                              "row-wise scaled fp8 GEMMs do not run on older GPUs")
