@@ -147,11 +147,8 @@ def _trainer_main(engine_conn: Any, ctl: Any, model_path: str, device: str, back
             torch.cuda.set_device(device)
         engine = RemoteEngine(engine_conn)
         named = trainer_tensors(model_path, device, getattr(torch, dtype))
-        joined = engine.init_process_group("127.0.0.1", port, 1, 1 + tp_size, GROUP_NAME, backend=backend,
-                                           timeout=timeout, async_op=True)
-        group = weight_sync.init_process_group("127.0.0.1", port, 0, 1 + tp_size, GROUP_NAME, backend=backend,
-                                               timeout=timeout)
-        joined.result()
+        group = weight_sync.join_engines([engine], GROUP_NAME, backend=backend, tp_size=tp_size, port=port,
+                                         timeout=timeout)
         sender = weight_sync.WeightSender([engine], group, GROUP_NAME, bucket_bytes=bucket_bytes)
         ctl.send(("ready", None))
         while (cmd := ctl.recv()) != "stop":
@@ -159,9 +156,7 @@ def _trainer_main(engine_conn: Any, ctl: Any, model_path: str, device: str, back
                 ctl.send(("pushed", sender.send(named).seconds))
             else:  # "verify"
                 ctl.send(("verified", engine.weights_fingerprint() == weight_sync.fingerprint(named)))
-        left = engine.destroy_process_group(GROUP_NAME, async_op=True)  # NCCL: both sides leave together
-        weight_sync.destroy_process_group(group)
-        left.result()
+        weight_sync.leave_engines([engine], group, GROUP_NAME)
         ctl.send(("stopped", None))
     except Exception as e:  # noqa: BLE001 - reported to the bench
         ctl.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))

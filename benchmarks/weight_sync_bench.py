@@ -77,10 +77,7 @@ def _bench(args: argparse.Namespace, model_path: str, device: str, backend: str,
              for n, s in trainer_hf_shapes(ModelConfig.from_path(model_path)).items()]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     bucket = int(args.bucket_mb * (1 << 20))
-    world = 1 + args.tp_size
-    fut = engine.init_process_group("127.0.0.1", port, 1, world, "bench", backend=backend, timeout=600, async_op=True)
-    group = weight_sync.init_process_group("127.0.0.1", port, 0, world, "bench", backend=backend, timeout=600)
-    fut.result()
+    group = weight_sync.join_engines([engine], "bench", backend=backend, tp_size=args.tp_size, port=port, timeout=600)
 
     chunk = min(bucket, nbytes)
     n_chunks = -(-nbytes // chunk)
@@ -114,9 +111,7 @@ def _bench(args: argparse.Namespace, model_path: str, device: str, backend: str,
     if not args.no_verify:
         out["fingerprint_equal"] = engine.weights_fingerprint() == weight_sync.fingerprint(named)
     out["version"] = engine.get_weight_version()
-    left = engine.destroy_process_group("bench", async_op=True)  # NCCL: both sides leave together
-    weight_sync.destroy_process_group(group)
-    left.result()
+    weight_sync.leave_engines([engine], group, "bench")
     return out
 
 

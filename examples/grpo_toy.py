@@ -33,8 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.ipc import free_port
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -174,10 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     history: list[dict[str, float]] = []
 
     with Engine(path, dtype="float32", device="cpu", seed=args.seed) as engine:
-        port, group_name = free_port(), "grpo"
-        joined = engine.init_process_group("127.0.0.1", port, 1, 2, group_name, backend="gloo", async_op=True)
-        group = weight_sync.init_process_group("127.0.0.1", port, 0, 2, group_name, backend="gloo", timeout=300)
-        joined.result()
+        group_name = "grpo"
+        group = weight_sync.join_engines([engine], group_name, backend="gloo")
         print(f"model {path}; engine up, weight version {engine.get_weight_version()} "
               f"({time.perf_counter() - started:.1f} s)")
         bar = tqdm(range(args.steps), desc="GRPO", unit="step", dynamic_ncols=True)
@@ -215,9 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"clip {row['clip_frac']:.2f} | rollout {t_roll:.1f} s train {t_train:.1f} s | "
                        f"e.g. {batch[0][1]} -> {row['sample']!r}")
         bar.close()
-        left = engine.destroy_process_group(group_name, async_op=True)
-        weight_sync.destroy_process_group(group)
-        left.result()
+        weight_sync.leave_engines([engine], group, group_name)
 
     k = max(1, min(5, len(history) // 4))
     first = statistics.fmean(r["reward"] for r in history[:k])

@@ -74,6 +74,48 @@ def test_trainer_group_works_with_plain_broadcast_without_a_default_group():
     assert got == [(0, False, [0.0, 1, 2, 3, 4, 5]), (1, False, [0.0, 1, 2, 3, 4, 5])]
 
 
+class _GroupMember:
+    """An engine stand-in for ``join_engines``: it logs its calls and answers with done futures."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def init_process_group(self, host, port, rank_offset, world_size, group_name, backend, timeout, async_op):
+        from concurrent.futures import Future
+
+        self.log.append((self.name, "join", rank_offset, world_size, timeout, async_op))
+        done = Future()
+        done.set_result(True)
+        return done
+
+    def destroy_process_group(self, group_name, async_op):
+        from concurrent.futures import Future
+
+        self.log.append((self.name, "leave", group_name, async_op))
+        done = Future()
+        done.set_result(True)
+        return done
+
+
+def test_join_engines_gives_each_engine_its_ranks_and_leaves_together(monkeypatch):
+    """Engine i of TP size t joins as ranks 1 + i*t ... asynchronously, before the trainer joins as rank 0 (the
+    joins block until all ranks are in); leaving is submitted to the engines first too. The real groups run
+    in the smoke and bench tests."""
+    import weight_sync
+    from weight_sync import handshake
+
+    log: list = []
+    monkeypatch.setattr(handshake, "init_process_group",
+                        lambda host, port, rank, world, name, backend, timeout: log.append(("trainer", "join", rank,
+                                                                                           world, timeout)) or "g")
+    monkeypatch.setattr(handshake, "destroy_process_group", lambda group: log.append(("trainer", "leave", group)))
+    engines = [_GroupMember("a", log), _GroupMember("b", log)]
+    group = weight_sync.join_engines(engines, "handshake", backend="gloo", tp_size=2, timeout=60)
+    weight_sync.leave_engines(engines, group, "handshake")
+    assert log == [("a", "join", 1, 5, 60, True), ("b", "join", 3, 5, 60, True), ("trainer", "join", 0, 5, 60),
+                   ("a", "leave", "handshake", True), ("b", "leave", "handshake", True), ("trainer", "leave", "g")]
+
+
 def test_every_update_mode_tp1(path):
     modes = ["bucket", "per_tensor", "openrlhf", "sglang", "disk", "tensor"]
     with Engine(path, dtype="float32", device="cpu") as engine:

@@ -134,17 +134,11 @@ def _sync(cfg: SmokeConfig, engine: Any, model: Any, dtype: torch.dtype) -> dict
     named = [(n, p.detach().to(dtype)) for n, p in model.named_parameters()]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     if cfg.mode in ("bucket", "per-tensor"):
-        world = 1 + cfg.tp_size
-        fut = engine.init_process_group("127.0.0.1", cfg.port, 1, world, "smoke", backend=cfg.backend, async_op=True)
-        group = weight_sync.init_process_group("127.0.0.1", cfg.port, 0, world, "smoke", backend=cfg.backend,
-                                               timeout=300)
-        fut.result()
+        group = weight_sync.join_engines([engine], "smoke", backend=cfg.backend, tp_size=cfg.tp_size, port=cfg.port)
         sender = weight_sync.WeightSender([engine], group, "smoke", bucket_bytes=int(cfg.bucket_mb * (1 << 20)),
                                           mode="bucket" if cfg.mode == "bucket" else "per_tensor")
         rep = sender.send(named)
-        left = engine.destroy_process_group("smoke", async_op=True)  # NCCL: both sides leave together
-        weight_sync.destroy_process_group(group)
-        left.result()
+        weight_sync.leave_engines([engine], group, "smoke")
         return {"mode": cfg.mode, "tensors": rep.num_tensors, "buckets": rep.num_buckets, "bytes": rep.bytes,
                 "seconds": rep.seconds, "gbps": rep.gbps}
     start = time.perf_counter()
