@@ -73,6 +73,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None)
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None)
     p.add_argument("--decode-attention-backend", choices=DECODE_ATTENTION_BACKENDS, default=None,

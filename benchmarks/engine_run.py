@@ -54,7 +54,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "enable_mixed_chunk", False):
         opts["enable_mixed_chunk"] = True
     for name in ("max_running_requests", "mem_fraction_static", "attention_backend", "decode_attention_backend",
-                 "kv_cache_dtype", "quantization", "page_size", "chunked_prefill_size", "max_prefill_tokens"):
+                 "kv_cache_dtype", "quantization", "page_size", "chunked_prefill_size", "max_prefill_tokens",
+                 "cuda_graph_max_bs"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     return opts

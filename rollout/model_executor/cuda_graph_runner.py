@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 def default_batch_sizes(max_bs: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
+    """The decode batch sizes captured: 1, 2, 4, 8, every 16 up to 256, then every 32, up to ``max_bs``."""
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, max_bs + 1, 32)) + [max_bs]
     return sorted({min(s, max_bs) for s in sizes})
 
 

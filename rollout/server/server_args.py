@@ -29,6 +29,7 @@ _ENGINE_OPTIONS = {
     "kv_cache_dtype": "kv_cache_dtype",
     "quantization": "quantization",
     "page_size": "page_size",
+    "cuda_graph_max_bs": "cuda_graph_max_bs",
 }
 
 # on/off flags, passed to the Engine (same field name) only when set
@@ -64,6 +65,7 @@ class ServerArgs:
     kv_cache_dtype: str | None = None
     quantization: str | None = None
     page_size: int | None = None
+    cuda_graph_max_bs: int | None = None
     disable_radix_cache: bool = False
     keep_weight_copy: bool = False
     enable_memory_saver: bool = False
@@ -151,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="online weight quantization (fp8: W8A8 projections, quantized as weights load)")
     p.add_argument("--page-size", type=int, default=None,
                    help="KV slots per page (default 1; decode backend xqa needs 16, 32, 64 or 128)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest decode batch captured in a CUDA graph (default 256; larger batches run eagerly)")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--keep-weight-copy", action="store_true", help="enable /rollback_weights")
     p.add_argument("--enable-memory-saver", action="store_true",
