@@ -196,13 +196,14 @@ def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str,
             run_rollout(engine, make_grpo_batch(_warmup_args(args), vocab, args.seed + 7), args.temperature)
             engine.flush_cache()
             if not args.rl_steps:
-                mixed = engine.get_step_stats()["mixed_steps"]
+                before = engine.get_step_stats()
                 with LoadSampler(engine, engine.config.max_running_requests) as load:
                     start = time.perf_counter()
                     outs = run_rollout(engine, batches[0], args.temperature)
                     end = time.perf_counter()
+                after = engine.get_step_stats()
                 report[name] = {"total": summarize(outs, end - start, load.tail_s(start, end)).to_dict(),
-                                "mixed_steps": engine.get_step_stats()["mixed_steps"] - mixed}
+                                **{k: after.get(k, 0) - before.get(k, 0) for k in ("mixed_steps", "retractions")}}
                 continue
             with make_pusher(args.rl_sync, engine, model_path, device, dtype, args.tp_size,
                              args.trainer_device) as trainer:
@@ -228,7 +229,8 @@ def format_grpo(report: dict[str, Any]) -> str:
         s = report["rollout"]["total"]
         lines.append(f"rollout: {s['output_tokens']} output tokens in {s['makespan_s']:.2f} s = {s['output_tok_s']:.1f} "
                      f"tok/s; tail {s['tail_s']:.2f} s (< 1/4 of the slots busy); prefix-cache hit rate "
-                     f"{s['prefix_hit_rate']:.1%}; {report['rollout']['mixed_steps']} prefill steps mixed with decode")
+                     f"{s['prefix_hit_rate']:.1%}; {report['rollout']['mixed_steps']} prefill steps mixed with decode; "
+                     f"{report['rollout']['retractions']} retractions")
         return "\n".join(lines)
     lines.append(f"weight push between steps: {w['rl_sync']} ("
                  + ("update_weights_from_tensor" if w["rl_sync"] == "tensor" else
