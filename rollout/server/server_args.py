@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=None,
                    help="KV slots per page (default 1; decode backend xqa needs 16, 32, 64 or 128)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                   help="largest decode batch captured in a CUDA graph (default 256; larger batches run eagerly)")
+                   help="largest decode batch captured in a CUDA graph (default 1024; larger batches run eagerly)")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--keep-weight-copy", action="store_true", help="enable /rollback_weights")
     p.add_argument("--enable-memory-saver", action="store_true",
