@@ -91,8 +91,8 @@ def push_colocated(model: Any, engines: Sequence[Any] | None, *, bucket_bytes: i
     bucket (default 1 GiB). FSDP2 gathers and sends the next bucket while the engines load the current one
     (two gathered buckets alive at a time, so the engines never wait for the trainer between buckets); ZeRO-3
     holds one (its gather ends when the iteration moves on). The last call completes the update (cache
-    flush, version bump). Returns {tensors, buckets, bytes, seconds,
-    results} where engines were given, None elsewhere.
+    flush, version bump). Returns {tensors, buckets, bytes, seconds, results} where engines were given, None
+    elsewhere.
     """
     import time
 
