@@ -28,6 +28,7 @@
 #   bash gpu_checks/run_gpu.sh rl-qwen   # Qwen3-0.6B shape: nano-vllm protocol and GRPO rollouts without and with
 #                                        # mixed chunks; GRPO RL steps drained and in flight
 #   bash gpu_checks/run_gpu.sh grpo-rl   # Qwen3-0.6B shape: the GRPO RL steps alone
+#   bash gpu_checks/run_gpu.sh grpo-batch  # GRPO rollouts (0.6B 128 x 8, 8B 96 x 8) at 256 and 1,024 running requests
 #   bash gpu_checks/run_gpu.sh grpo-rl-2gpu  # 2 GPUs: the same with the trainer on GPU 1 broadcasting over NCCL
 #   bash gpu_checks/run_gpu.sh moe-bench # Qwen3-30B-A3B shape (dummy weights): 256 x 1000 in / 1000 out, batch-1 step
 #   bash gpu_checks/run_gpu.sh moe-sync  # Qwen3-30B-A3B shape: same-GPU push of the trainer's fused expert tensors
@@ -156,6 +157,15 @@ num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, initializer_
     grpo_rl_steps ;;
   grpo-rl)
     grpo_rl_steps ;;
+  grpo-batch)  # GRPO rollouts with 256 running requests (the old default) and the default (1,024)
+    for m in 256 default; do
+      flags=(); [ "$m" = default ] || flags=(--max-running-requests "$m" --cuda-graph-max-bs "$m")
+      step "grpo-qwen3-0.6b-128x8-$m" 200 "${grpo[@]}" --num-prompts 128 --output-median 1024 "${flags[@]}" \
+        --json "$out/grpo-qwen3-0.6b-128x8-$m.json"
+      step "grpo-llama-3.1-8b-96x8-$m" 200 python -m rollout.bench --preset llama-3.1-8b --workload grpo --n 8 \
+        --min-len 200 --max-len 800 --output-len 2048 --num-prompts 96 --output-median 512 "${flags[@]}" \
+        --json "$out/grpo-llama-3.1-8b-96x8-$m.json"
+    done ;;
   grpo-rl-2gpu)  # the engine on GPU 0, the trainer on GPU 1; then the same-GPU push on this machine to compare
     grpo_rl_steps distributed
     grpo_rl_steps ;;
