@@ -202,7 +202,7 @@ class EngineConfig:
     in flight is read first. Off by default until GPU measurements say where it wins.
     ``max_running_requests`` (1024, vLLM's default on large GPUs) and ``cuda_graph_max_bs`` (1024; SGLang's
     names): RL rollouts submit many samples at once, and GRPO rollouts on an H200 ran faster than with 256
-    running, without retractions: 1.35x (512) and 1.52x (1024) on the Llama-3.1-8B shape, 1.14x and 1.35x on
+    running: 1.35x (512) and 1.52x (1024, no retraction) on the Llama-3.1-8B shape, 1.14x and 1.35x on
     the Qwen3-0.6B shape (docs/rl_rollouts.md); batches up to 256 run exactly as before.
     """
 
