@@ -240,3 +240,27 @@ def test_the_scheduler_path_keeps_its_mappings_in_the_receiver_it_is_given(ipc):
         close_shared(payload, receiver)
         assert len(receiver) == (0 if push == 0 else 2)
     assert ipc.maps == 4
+
+
+def test_a_rank_failing_mid_push_leaves_no_mapping_behind(ipc):
+    """TP=2, a push of three bucket calls through two reused buffers; rank 1 fails at the second call. Rank
+    0 (which succeeded) closes its mappings at the next call, a new epoch; the next push maps afresh and,
+    once it is over, nothing is left mapped on either rank."""
+    sender, receivers = IpcHandleCache(receivers=2), [OpenedIpcTensors(), OpenedIpcTensors()]
+
+    def push(fail_at: int | None) -> None:
+        buffers = [torch.zeros(32, dtype=torch.uint8), torch.zeros(32, dtype=torch.uint8)]
+        for k in range(3):
+            views = [buffers[k % 2][:16].view(torch.float32)]
+            views[0].fill_(k)
+            values = call(sender, receivers, views, ends_push=k == 2, fail_rank=1 if k == fail_at else None)
+            assert all(torch.equal(v[0], views[0]) for v in values)
+            if k == fail_at:
+                break
+        ipc.free(buffers)
+
+    push(fail_at=1)
+    assert len(receivers[1]) == 0 and len(receivers[0]) == 2  # rank 0 still maps both buffers
+    push(fail_at=None)
+    assert [len(r) for r in receivers] == [0, 0] and ipc.open_counts() == {}
+    assert min(ipc.counters.values()) == 0 and sender.epoch == 1
