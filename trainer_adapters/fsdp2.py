@@ -100,17 +100,22 @@ def _layout(params: list[Any], ranks: int) -> tuple[list[tuple[int, int, int]], 
     return layout, _align(total)  # so every rank's part starts aligned too
 
 
+def _full_offsets(layout: list[tuple[int, int, int]], ranks: int) -> tuple[list[int], int]:
+    """Where each parameter's full tensor (its ``ranks`` padded chunks, back to back) starts in the second
+    buffer of ``gather_rows`` on several ranks, and that buffer's size."""
+    offsets, end = [], 0
+    for _, chunk, _ in layout:
+        offsets.append(_align(end))
+        end = offsets[-1] + ranks * chunk
+    return offsets, end
+
+
 def gather_sizes(params: list[Any]) -> tuple[int, int]:
     """Bytes ``gather_rows`` needs for ``params``: (the all-gather buffer, the full tensors beside it; 0 on one
     rank, where the full tensors are views of the all-gather buffer)."""
     ranks = params[0].device_mesh.size()
     layout, total = _layout(params, ranks)
-    if ranks == 1:
-        return total, 0
-    out = 0
-    for offset, chunk, _ in layout:
-        out = _align(out) + ranks * chunk
-    return ranks * total, out
+    return ranks * total, (_full_offsets(layout, ranks)[1] if ranks > 1 else 0)
 
 
 class BucketBuffers:
@@ -137,8 +142,9 @@ def gather_rows(params: list[Any], buffers: BucketBuffers | None = None) -> list
     mesh = params[0].device_mesh
     ranks, rank = mesh.size(), mesh.get_local_rank()
     layout, total = _layout(params, ranks)
+    full_at, full_size = _full_offsets(layout, ranks) if ranks > 1 else ([], 0)
     local = params[0].to_local()
-    buffers = buffers or BucketBuffers(gather_sizes(params))
+    buffers = BucketBuffers((ranks * total, full_size)) if buffers is None else buffers
     out = buffers.get(0, ranks * total, local.device).view(ranks, total)
     mine = out[rank]
     for p, (offset, _, _) in zip(params, layout):
@@ -146,17 +152,15 @@ def gather_rows(params: list[Any], buffers: BucketBuffers | None = None) -> list
         mine[offset:offset + part.numel()].copy_(part)  # contiguous to contiguous: one memcpy
     if ranks > 1:
         dist.all_gather_into_tensor(out.view(-1), mine, group=mesh.get_group())
-        dest = buffers.get(1, gather_sizes(params)[1], local.device)
-    full, at = [], 0
-    for p, (offset, chunk, row_bytes) in zip(params, layout):
+        dest = buffers.get(1, full_size, local.device)
+    full = []
+    for k, (p, (offset, chunk, row_bytes)) in enumerate(zip(params, layout)):
         n = p.shape[0] * row_bytes
         if ranks == 1:
             flat = out[0, offset:offset + n]
         else:  # the rank-major parts, back to back
-            at = _align(at)
-            flat = dest[at:at + ranks * chunk]
+            flat = dest[full_at[k]:full_at[k] + ranks * chunk]
             copy_bytes(flat.view(ranks, chunk), out[:, offset:offset + chunk])
-            at += ranks * chunk
             flat = flat[:n]
         full.append(flat.view(p.dtype).view(p.shape))
     return full

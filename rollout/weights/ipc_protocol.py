@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from rollout.weights.buckets import TensorSpec
+
 IPC_MODES = ("map", "reuse")
 
 
@@ -138,8 +140,8 @@ class OpenedIpcTensors:
         self._open: dict[tuple, _Mapping] = {}
         self.epoch = 0
 
-    def open(self, payload: IpcRankPayload, specs: list[Any]) -> list[torch.Tensor]:
-        """The tensors of one call, one per spec (``dtype``, ``shape``), as views of their mapped storages."""
+    def open(self, payload: IpcRankPayload, specs: list[TensorSpec]) -> list[torch.Tensor]:
+        """The tensors of one call, one per spec, as views of their mapped storages."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         if payload.epoch != self.epoch:
@@ -160,21 +162,18 @@ class OpenedIpcTensors:
                 raise RuntimeError("a reused CUDA IPC handle is not open here (the sender and the engine "
                                    "disagree about the last push); push again")
             mappings.append(mapping)
-        return [self._view(mappings[i], offset, spec.dtype, tuple(spec.shape))
-                for (i, offset), spec in zip(payload.views, specs)]
+        return [self._view(mappings[i], offset, spec) for (i, offset), spec in zip(payload.views, specs)]
 
     @staticmethod
-    def _view(mapping: _Mapping, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        key = (offset, dtype, shape)
+    def _view(mapping: _Mapping, offset: int, spec: TensorSpec) -> torch.Tensor:
+        key = (offset, spec.dtype, spec.shape)
         view = mapping.views.get(key)
         if view is None:
-            nbytes = dtype.itemsize
-            for s in shape:
-                nbytes *= s
-            if offset + nbytes > mapping.whole.numel():
-                raise ValueError(f"a CUDA IPC view of {nbytes} B at {offset} runs past its storage "
+            end = offset + spec.nbytes
+            if end > mapping.whole.numel():
+                raise ValueError(f"a CUDA IPC view of {spec.nbytes} B at {offset} runs past its storage "
                                  f"({mapping.whole.numel()} B)")
-            view = mapping.views[key] = mapping.whole[offset:offset + nbytes].view(dtype).view(shape)
+            view = mapping.views[key] = mapping.whole[offset:end].view(spec.dtype).view(spec.shape)
         return view
 
     def close(self, payload: IpcRankPayload) -> None:

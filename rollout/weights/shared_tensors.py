@@ -74,7 +74,8 @@ def open_shared(specs: list[TensorSpec], payload: Any, opened: OpenedIpcTensors 
     if kind == "cuda_ipc_synced":
         if not 0 <= rank < len(data):
             raise ValueError(f"the CUDA IPC payload has no part for TP rank {rank}")
-        return list(zip((spec.name for spec in specs), (OpenedIpcTensors() if opened is None else opened).open(data[rank], specs)))
+        opened = OpenedIpcTensors() if opened is None else opened
+        return list(zip((spec.name for spec in specs), opened.open(data[rank], specs)))
     if kind == "cuda_ipc":
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
