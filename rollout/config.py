@@ -204,6 +204,10 @@ class EngineConfig:
     names): RL rollouts submit many samples at once, and GRPO rollouts on an H200 ran faster than with 256
     running: 1.35x (512) and 1.52x (1024, no retraction) on the Llama-3.1-8B shape, 1.14x and 1.35x on
     the Qwen3-0.6B shape (docs/rl_rollouts.md); batches up to 256 run exactly as before.
+    ``schedule_conservativeness`` (SGLang's name, default 1): how much of their remaining output budget
+    admission keeps free for the running requests (``rollout.scheduler.admission.NewTokenRatio``: 0.7 of it
+    times this at first, decaying while nothing is retracted); lower admits more at once and risks
+    retractions when the KV pool is tight, 0 reserves one page per running request.
     """
 
     model_path: str
@@ -241,6 +245,7 @@ class EngineConfig:
     enable_return_routed_experts: bool = False
     update_weights_in_flight: bool = False
     enable_mixed_chunk: bool = False
+    schedule_conservativeness: float = 1.0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -267,6 +272,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be None or one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         if self.dist_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"unknown dist_backend {self.dist_backend!r}")
+        if not self.schedule_conservativeness >= 0:
+            raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
 
     @property
     def resolved_device(self) -> str:

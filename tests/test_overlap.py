@@ -71,7 +71,9 @@ def test_overlap_equals_no_overlap_and_transformers(path, hf_reference):
 def test_overlap_under_kv_pressure_retracts_and_stays_exact(path, hf_reference):
     prompts = prompts_of_lengths([20, 24, 18, 22, 19, 21], seed=43)
     params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
-    outs, _ = _run(path, True, prompts, params, max_total_tokens=96)
+    # no reserve for the running requests' next tokens: all are admitted and some must be retracted
+    outs, stats = _run(path, True, prompts, params, max_total_tokens=96, schedule_conservativeness=0.0)
+    assert stats["retractions"] > 0
     hf = hf_reference(path)
     for prompt, (ids, reason, _, _) in zip(prompts, outs):
         assert ids == hf.greedy(prompt, 24) and reason == "length"

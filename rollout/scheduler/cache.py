@@ -56,9 +56,9 @@ class KVCacheManager:
         """Free-page slots that ``n`` more tokens after ``kv_len`` take."""
         return self.allocator.slots_needed(n, kv_len)
 
-    def headroom(self, requests: int) -> int:
-        """Slots kept free for the next decode token of ``requests`` running requests (a page each)."""
-        return requests * self.page_size
+    def can_hold(self, n: int) -> bool:
+        """``n`` slots are free or held only by unlocked cache entries (which ``ensure_free`` would evict)."""
+        return self.allocator.available + self.tree.evictable_size >= n
 
     def ensure_free(self, n: int) -> bool:
         """Evict unlocked cache entries until ``n`` slots are free; False if that is impossible."""

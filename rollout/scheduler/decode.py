@@ -1,29 +1,38 @@
 """Decode batches and retraction: every running request gets one token per step.
 
 Policy (``DecodeManager``): a decode step takes every running request that the step in flight does not
-already end by length. When the KV pool has no slot left for them, the most recently admitted request is
-retracted (its KV released, requeued at the front of the waiting queue, re-prefilled later with its
-output so far); the last request standing that still does not fit is aborted.
+already end by length. When the KV pool has no slot left for them, the most recently admitted requests are
+retracted (their KV released, requeued at the front of the waiting queue, re-prefilled later with their
+output so far) until the rest fit ``RETRACT_DECODE_STEPS`` more steps (SGLang's ``retract_decode``), so a
+full pool does not retract again at the next step; the admission estimate (``NewTokenRatio``) then
+follows what the remaining requests really generated. The last request standing that does not fit one
+step is aborted.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from rollout.io_struct import FinishReason
 from rollout.model_executor.forward_batch import ForwardMode
 from rollout.model_executor.model_runner import StepInput
+from rollout.scheduler.admission import RETRACT_DECODE_STEPS, NewTokenRatio
 from rollout.scheduler.cache import KVCacheManager
 from rollout.scheduler.output import OutputManager
 from rollout.scheduler.req import Req
 from rollout.scheduler.stats import SchedulerStats
 
+logger = logging.getLogger(__name__)
+
 
 class DecodeManager:
-    def __init__(self, cache: KVCacheManager, outputs: OutputManager, stats: SchedulerStats) -> None:
+    def __init__(self, cache: KVCacheManager, outputs: OutputManager, stats: SchedulerStats,
+                 ratio: NewTokenRatio) -> None:
         self.cache = cache
         self.outputs = outputs
         self.stats = stats
+        self.ratio = ratio
 
     @staticmethod
     def candidates(running: list[Req]) -> list[Req]:
@@ -37,17 +46,26 @@ class DecodeManager:
                 and not any(r.inflight_tokens and r.needs_history for r in reqs))
 
     def make_room(self, running: list[Req], waiting: deque[Req]) -> list[Req]:
-        """Retract requests until the rest fit one decode step; returns the step's requests (nothing may be
-        in flight: retraction releases KV)."""
+        """Retract requests until the rest fit ``RETRACT_DECODE_STEPS`` steps (when they do not fit one);
+        returns the step's requests (nothing may be in flight: retraction releases KV)."""
         reqs = self.candidates(running)
-        while not self.cache.ensure_free(self.cache.decode_slots_needed(reqs)):
-            victim = running.pop()
-            if not running:
-                self.cache.release(victim)
-                self.outputs.finish(victim, FinishReason("abort", message="sequence does not fit in the KV cache"))
-                return []
-            self.retract(victim, waiting)
+        if self.cache.ensure_free(self.cache.decode_slots_needed(reqs)):
+            self.ratio.after_decode()
+            return reqs
+        retracted, before = 0, self.ratio.value
+        while len(running) > 1 and not self.cache.can_hold(RETRACT_DECODE_STEPS * self.cache.decode_slots_needed(reqs)):
+            self.retract(running.pop(), waiting)
+            retracted += 1
             reqs = self.candidates(running)
+        if retracted:
+            self.ratio.after_retract(running)
+            logger.info("KV cache pool is full: retracted %d requests, %d running; new_token_ratio %.4f -> %.4f",
+                        retracted, len(running), before, self.ratio.value)
+        if not self.cache.ensure_free(self.cache.decode_slots_needed(reqs)):
+            victim = running.pop()  # the last request standing does not fit one step
+            self.cache.release(victim)
+            self.outputs.finish(victim, FinishReason("abort", message="sequence does not fit in the KV cache"))
+            return []
         return reqs
 
     def retract(self, req: Req, waiting: deque[Req]) -> None:

@@ -4,7 +4,10 @@ Policy (``PrefillManager.schedule``):
 1. A request whose prompt is partly computed (``chunked``) continues first.
 2. Then waiting requests in order, while the step's token budget (``max_prefill_tokens``), the running
    limit and free KV allow: each reuses its longest cached prefix and computes the rest, in chunks of at
-   most ``chunked_prefill_size``; one chunked request at a time ends the batch.
+   most ``chunked_prefill_size``; one chunked request at a time ends the batch. Free KV means room for the
+   chunk while the slots the running requests are expected to need (``NewTokenRatio.reserved``) and the
+   output budgets of the requests admitted in this step stay free (SGLang's ``PrefillAdder``); a request
+   admitted while nothing else runs needs room for its chunk only.
 3. A request whose prompt a request in this batch (or the prefill in flight) is computing waits for that
    cache entry instead of computing it twice; a prompt that fits a batch of its own is not split to fill
    the rest of this one.
@@ -21,50 +24,57 @@ from rollout.io_struct import FinishReason
 from rollout.mem_cache.radix_cache import RadixCache
 from rollout.model_executor.forward_batch import ForwardMode
 from rollout.model_executor.model_runner import PromptLogprobsRequest, StepInput
+from rollout.scheduler.admission import NewTokenRatio
 from rollout.scheduler.cache import KVCacheManager
 from rollout.scheduler.output import OutputManager
 from rollout.scheduler.req import Req
 
 
 class PrefillManager:
-    def __init__(self, config: EngineConfig, cache: KVCacheManager, outputs: OutputManager) -> None:
+    def __init__(self, config: EngineConfig, cache: KVCacheManager, outputs: OutputManager,
+                 ratio: NewTokenRatio) -> None:
         self.config = config
         self.cache = cache
         self.outputs = outputs
+        self.ratio = ratio
         self.chunked: Req | None = None  # the request whose prompt is partly computed
 
-    def schedule(self, waiting: deque[Req], running: int, in_flight: list[Req], admitting: bool, reserve: int = 0
-                 ) -> tuple[list[Req], list[int]]:
+    def schedule(self, waiting: deque[Req], running: list[Req], in_flight: list[Req], admitting: bool,
+                 reserve: int = 0) -> tuple[list[Req], list[int]]:
         """The requests of the next extend step and how many new tokens each computes (empty: none now).
 
-        ``running`` counts the requests already running (``in_flight``, those of the prefill in flight,
-        included); admitted requests leave ``waiting`` and get their KV placed. Without ``admitting``
-        (an update pending, generation paused) only the chunked request continues. ``reserve`` tokens of the
-        step's budget go to running requests decoding in it (a mixed step; at least a quarter is kept)."""
+        ``running``: the requests already running (``in_flight``, those of the prefill in flight, included);
+        admitted requests leave ``waiting`` and get their KV placed. Without ``admitting`` (an update
+        pending, generation paused) only the chunked request continues. ``reserve`` tokens of the step's
+        budget go to running requests decoding in it (a mixed step; at least a quarter is kept)."""
         budget = max(self.config.max_prefill_tokens - reserve, self.config.max_prefill_tokens // 4)
+        kept = self.ratio.reserved(running)  # slots kept free for the running requests' next tokens
         reqs: list[Req] = []
         lens: list[int] = []
         if self.chunked is not None:
-            n = self._admit_chunk(self.chunked, budget, headroom=running)
+            n = self._admit_chunk(self.chunked, budget, kept)
             if n == 0:
                 return [], []
             reqs.append(self.chunked), lens.append(n)
             budget -= n
             if self.chunked.kv_len + n < self.chunked.seq_len:
                 return reqs, lens
+            kept += self.ratio.future_tokens(self.chunked)
             self.chunked = None  # its last chunk: it is running once this step is read
         in_batch = RadixCache(lambda slots: None)  # prompts being computed: requests sharing them wait
         for req in in_flight:
             in_batch.insert(req.fill_ids, torch.zeros(len(req.fill_ids), dtype=torch.int64))
         deferred: list[Req] = []
         while admitting and waiting and budget > 0:
-            if running + len(reqs) >= self.config.max_running_requests or not self.cache.req_pool.available:
+            if len(running) + len(reqs) >= self.config.max_running_requests or not self.cache.req_pool.available:
                 break
             req = waiting.popleft()
             if req.seq_len + 1 > self.cache.num_slots:
                 self.outputs.finish(req, FinishReason("abort", message="sequence does not fit in the KV cache"))
                 continue
-            n = self._admit_new(req, budget, running + len(reqs), in_batch, split_ok=not reqs)
+            future = self.ratio.admission_tokens(req)
+            alone = not running and not reqs
+            n = self._admit_new(req, budget, 0 if alone else kept + future, in_batch, split_ok=not reqs)
             if n is None:
                 deferred.append(req)
                 continue
@@ -73,15 +83,17 @@ class PrefillManager:
                 break
             reqs.append(req), lens.append(n)
             budget -= n
+            kept += future
             if req.kv_len + n < req.seq_len:
                 self.chunked = req
                 break
         waiting.extendleft(reversed(deferred))
         return reqs, lens
 
-    def _admit_new(self, req: Req, budget: int, headroom: int, in_batch: RadixCache,
+    def _admit_new(self, req: Req, budget: int, kept: int, in_batch: RadixCache,
                    split_ok: bool = True) -> int | None:
-        """Place a waiting request's cached prefix and first chunk; 0 = no room now, None = defer.
+        """Place a waiting request's cached prefix and first chunk, if ``kept`` more slots stay free beside
+        it; 0 = no room now, None = defer.
 
         Without ``split_ok`` (the batch already holds requests) a prompt that would fit a batch of its own
         is not split to fill the rest of this one: it waits for the next batch whole (0). A whole prompt
@@ -100,7 +112,7 @@ class PrefillManager:
             return 0
         self.cache.lock(node)
         chunk = min(rest, budget, self.config.chunked_prefill_size)
-        if not self.cache.ensure_free(self.cache.slots_needed(chunk, len(prefix)) + self.cache.headroom(headroom)):
+        if not self._make_room(self.cache.slots_needed(chunk, len(prefix)), kept):
             self.cache.unlock(node)
             return 0
         in_batch.insert(fill, torch.zeros(len(fill), dtype=torch.int64))
@@ -110,12 +122,16 @@ class PrefillManager:
         self.cache.extend(req, chunk)
         return chunk
 
-    def _admit_chunk(self, req: Req, budget: int, headroom: int) -> int:
+    def _admit_chunk(self, req: Req, budget: int, kept: int) -> int:
         chunk = min(req.seq_len - req.kv_len, budget, self.config.chunked_prefill_size)
-        if not self.cache.ensure_free(self.cache.slots_needed(chunk, req.kv_len) + self.cache.headroom(headroom)):
+        if not self._make_room(self.cache.slots_needed(chunk, req.kv_len), kept):
             return 0
         self.cache.extend(req, chunk)
         return chunk
+
+    def _make_room(self, need: int, kept: int) -> bool:
+        """Free ``need`` slots now (evicting cache entries) if ``kept`` more can stay free beside them."""
+        return self.cache.can_hold(need + kept) and self.cache.ensure_free(need)
 
     def build_step(self, reqs: list[Req], lens: list[int]) -> tuple[StepInput, list[Req]]:
         """The extend step computing ``lens`` new tokens of each of ``reqs`` (their slots already placed), and

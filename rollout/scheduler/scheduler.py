@@ -23,6 +23,7 @@ from rollout.io_struct import (AbortReq, ContinueGenerationReq, ControlReply, Co
                                GetWeightStateReq, PauseGenerationReq, ReadOnlyReq, ShutdownReq, WeightUpdateReq)
 from rollout.model_executor.forward_batch import ForwardMode
 from rollout.model_executor.model_runner import ModelRunner, StepInput, StepOutput
+from rollout.scheduler.admission import NewTokenRatio
 from rollout.scheduler.cache import KVCacheManager
 from rollout.scheduler.decode import DecodeManager
 from rollout.scheduler.memory import MemoryOccupation
@@ -63,8 +64,9 @@ class Scheduler:
                                     config.disable_radix_cache, self.runner.kv_pool.routed_experts)
         self.outputs = OutputManager(send_output if tp.rank == 0 else None)
         self.stats = SchedulerStats(config.log_interval_s)
-        self.prefill = PrefillManager(config, self.cache, self.outputs)
-        self.decode = DecodeManager(self.cache, self.outputs, self.stats)
+        self.new_token_ratio = NewTokenRatio(config.schedule_conservativeness, config.page_size)
+        self.prefill = PrefillManager(config, self.cache, self.outputs, self.new_token_ratio)
+        self.decode = DecodeManager(self.cache, self.outputs, self.stats, self.new_token_ratio)
         updater = WeightUpdater(self.runner.weight_map, device, keep_copy=config.keep_weight_copy)
         self.memory = MemoryOccupation(self.runner, self.cache, updater, lambda: len(self.running))
         self.weights = WeightSync(updater, tp, device, self.cache, config.weight_version, self.memory.update_problem)
@@ -214,6 +216,8 @@ class Scheduler:
                 self.in_flight = launched
             else:
                 self.process_results(launched)
+        elif not self.running and not self.waiting and self.prefill.chunked is None:
+            self.new_token_ratio.reset()  # idle: the next batch is admitted carefully again
         self.emit()
         if self.tp.rank == 0 and self.busy:
             self.stats.maybe_log(self.get_load())
@@ -230,8 +234,9 @@ class Scheduler:
             self.sync()
         in_flight = self._in_flight_prefilled()
         decoding = self.decode.candidates(self.running) if mixing else []
-        reqs, lens = self.prefill.schedule(self.waiting, len(self.running) + len(in_flight), in_flight,
-                                           self.admitting, reserve=len(decoding))
+        ids = {id(r) for r in self.running}
+        running = self.running + [r for r in in_flight if id(r) not in ids]  # a mixed step's rows are both
+        reqs, lens = self.prefill.schedule(self.waiting, running, in_flight, self.admitting, reserve=len(decoding))
         if not reqs:
             return None
         if decoding and self.cache.ensure_free(self.cache.decode_slots_needed(decoding)):

@@ -30,6 +30,7 @@ _ENGINE_OPTIONS = {
     "quantization": "quantization",
     "page_size": "page_size",
     "cuda_graph_max_bs": "cuda_graph_max_bs",
+    "schedule_conservativeness": "schedule_conservativeness",
 }
 
 # on/off flags, passed to the Engine (same field name) only when set
@@ -66,6 +67,7 @@ class ServerArgs:
     quantization: str | None = None
     page_size: int | None = None
     cuda_graph_max_bs: int | None = None
+    schedule_conservativeness: float | None = None
     disable_radix_cache: bool = False
     keep_weight_copy: bool = False
     enable_memory_saver: bool = False
@@ -155,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV slots per page (default 1; decode backend xqa needs 16, 32, 64 or 128)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch captured in a CUDA graph (default 1024; larger batches run eagerly)")
+    p.add_argument("--schedule-conservativeness", type=float, default=None,
+                   help="how much KV admission keeps free for the running requests' future tokens (default 1; "
+                        "lower admits more at once, 0 keeps one page each)")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--keep-weight-copy", action="store_true", help="enable /rollback_weights")
     p.add_argument("--enable-memory-saver", action="store_true",
