@@ -78,7 +78,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV pool size in tokens (overrides --mem-fraction-static): a KV-tight setup, e.g. colocated")
     p.add_argument("--schedule-conservativeness", type=float, default=None,
-                   help="KV admission's reserve for the running requests (engine default 1; 0: one page each)")
+                   help="KV admission's reserve for the running requests (engine default 0.3; 0: one page each)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None)
     p.add_argument("--decode-attention-backend", choices=DECODE_ATTENTION_BACKENDS, default=None,
                    help="decode kernel under the flashinfer backend (default auto: triton)")

@@ -204,10 +204,12 @@ class EngineConfig:
     names): RL rollouts submit many samples at once, and GRPO rollouts on an H200 ran faster than with 256
     running: 1.35x (512) and 1.52x (1024, no retraction) on the Llama-3.1-8B shape, 1.14x and 1.35x on
     the Qwen3-0.6B shape (docs/rl_rollouts.md); batches up to 256 run exactly as before.
-    ``schedule_conservativeness`` (SGLang's name, default 1): how much of their remaining output budget
-    admission keeps free for the running requests (``rollout.scheduler.admission.NewTokenRatio``: 0.7 of it
-    times this at first, decaying while nothing is retracted); lower admits more at once and risks
-    retractions when the KV pool is tight, 0 reserves one page per running request.
+    ``schedule_conservativeness`` (SGLang's name): how much of their remaining output budget admission keeps
+    free for the running requests (``rollout.scheduler.admission.NewTokenRatio``: 0.7 of it times this at
+    first, decaying while nothing is retracted); lower admits more at once and retracts more when the KV
+    pool is tight, 0 reserves one page per running request. Default 0.3, not SGLang's 1: on an H200 GRPO
+    rollouts in a tight KV pool ran 5-7% faster than with 0 and than with 1, and as fast as both with a
+    large pool (docs/rl_rollouts.md).
     """
 
     model_path: str
@@ -245,7 +247,7 @@ class EngineConfig:
     enable_return_routed_experts: bool = False
     update_weights_in_flight: bool = False
     enable_mixed_chunk: bool = False
-    schedule_conservativeness: float = 1.0
+    schedule_conservativeness: float = 0.3
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

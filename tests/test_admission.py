@@ -65,6 +65,6 @@ def test_conservativeness_zero_reserves_one_page_per_request():
 
 
 def test_config_checks_conservativeness():
-    assert EngineConfig("/m").schedule_conservativeness == 1.0
+    assert EngineConfig("/m").schedule_conservativeness == 0.3
     with pytest.raises(ValueError, match="schedule_conservativeness"):
         EngineConfig("/m", schedule_conservativeness=-0.5)

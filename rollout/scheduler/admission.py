@@ -14,8 +14,8 @@ Contract:
   ``value`` is then set from what the remaining requests actually generated (``after_retract``), so the next
   admissions reserve what is really needed.
 - ``reset`` when the engine is idle: the next batch starts careful again.
-``schedule_conservativeness`` 0 reserves one page per running request and nothing more for the next tokens
-of the request admitted alongside (the engine's behaviour before this estimate).
+``schedule_conservativeness`` 0 reserves one page per running request and per request admitted alongside,
+and a full pool retracts until the rest fit one step (the engine's behaviour before this estimate).
 """
 
 from __future__ import annotations

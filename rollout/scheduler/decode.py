@@ -46,14 +46,16 @@ class DecodeManager:
                 and not any(r.inflight_tokens and r.needs_history for r in reqs))
 
     def make_room(self, running: list[Req], waiting: deque[Req]) -> list[Req]:
-        """Retract requests until the rest fit ``RETRACT_DECODE_STEPS`` steps (when they do not fit one);
+        """Retract requests until the rest fit ``RETRACT_DECODE_STEPS`` steps (one without an admission
+        estimate: the retracted requests would be admitted again at once) when they do not fit one;
         returns the step's requests (nothing may be in flight: retraction releases KV)."""
         reqs = self.candidates(running)
         if self.cache.ensure_free(self.cache.decode_slots_needed(reqs)):
             self.ratio.after_decode()
             return reqs
         retracted, before = 0, self.ratio.value
-        while len(running) > 1 and not self.cache.can_hold(RETRACT_DECODE_STEPS * self.cache.decode_slots_needed(reqs)):
+        steps = RETRACT_DECODE_STEPS if self.ratio.careful else 1
+        while len(running) > 1 and not self.cache.can_hold(steps * self.cache.decode_slots_needed(reqs)):
             self.retract(running.pop(), waiting)
             retracted += 1
             reqs = self.candidates(running)

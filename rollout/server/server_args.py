@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch captured in a CUDA graph (default 1024; larger batches run eagerly)")
     p.add_argument("--schedule-conservativeness", type=float, default=None,
-                   help="how much KV admission keeps free for the running requests' future tokens (default 1; "
+                   help="how much KV admission keeps free for the running requests' future tokens (default 0.3; "
                         "lower admits more at once, 0 keeps one page each)")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--keep-weight-copy", action="store_true", help="enable /rollback_weights")
