@@ -330,17 +330,23 @@ class _Source:
 
 
 class _LoggingEngine:
-    def __init__(self, log: list) -> None:
-        self.log = log
+    """Logs each push and, once per call, when its load is awaited; the call for ``fail`` raises."""
+
+    def __init__(self, log: list, fail: str | None = None) -> None:
+        self.log, self.fail = log, fail
 
     def update_weights_from_tensor(self, bucket, flush_cache, async_op, weight_version=None):
         name = bucket[0][0]
         self.log.append(f"push {name}{' flush' if flush_cache else ''}")
-        log = self.log
+        log, fail = self.log, self.fail
 
         class Logged(Future):
             def result(self, timeout=None):
-                log.append(f"loaded {name}")
+                if not getattr(self, "awaited", False):
+                    self.awaited = True
+                    log.append(f"loaded {name}")
+                if name == fail:
+                    raise ValueError(f"{name} refused")
                 return {"complete": flush_cache}
         return Logged()
 
@@ -363,3 +369,55 @@ def test_push_colocated_gathers_ahead_only_where_buckets_outlive_the_iteration(m
     else:
         assert log == ["gather 0", "push w0", "loaded w0", "release 0", "gather 1", "push w1", "loaded w1",
                        "release 1", "gather 2", "push w2 flush", "loaded w2", "release 2", "end"]
+
+
+@pytest.mark.parametrize("owns", [True, False])
+def test_push_colocated_failing_mid_push_still_runs_every_gather(monkeypatch, owns):
+    """A bucket refused by the engine: the error is raised, but only after the calls in flight were awaited
+    (no gather may reuse memory the engine still reads) and every remaining bucket was gathered, unsent, so
+    the other trainer ranks' collectives are matched and their push ends instead of hanging."""
+    from trainer_adapters import push_colocated, senders
+
+    log: list = []
+    monkeypatch.setattr(senders, "param_source", lambda model, backend: _Source(owns, 4, log))
+    with pytest.raises(ValueError, match="w1 refused"):
+        push_colocated(object(), [_LoggingEngine(log, fail="w1")], bucket_bytes=1)
+    if owns:  # bucket 2 was already gathered and sent when bucket 1's failure was read
+        assert log == ["gather 0", "push w0", "release 0", "gather 1", "push w1", "loaded w0", "release 1",
+                       "gather 2", "push w2", "loaded w1", "loaded w2", "release 2", "gather 3", "release 3", "end"]
+    else:
+        assert log == ["gather 0", "push w0", "loaded w0", "release 0", "gather 1", "push w1", "loaded w1",
+                       "release 1", "gather 2", "release 2", "gather 3", "release 3", "end"]
+
+
+def test_a_call_refused_mid_session_keeps_the_engine_from_closing_it(hf_model, engine, path, hf_reference):
+    """Bucket 1 loads, bucket 2 is refused, bucket 3 asks to close the session: the weights are a mix, so the
+    engine marks them inconsistent, keeps the version and refuses requests instead of serving the mix;
+    a complete push makes them whole again."""
+    import copy
+
+    from trainer_adapters import push_colocated
+
+    trained = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.mul_(1.02)
+    named = [(n, p.detach()) for n, p in trained.named_parameters()]
+    version = engine.get_weight_version()
+    engine.update_weights_from_tensor(named[:2], flush_cache=False)
+    name, t = named[2]
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights_from_tensor([(name, t[:1])], flush_cache=False)
+    engine.update_weights_from_tensor(named[3:], flush_cache=True, weight_version="mixed")
+    state = engine.get_weight_state()
+    assert state["state"] == "inconsistent" and "refused mid-update" in state["reason"]
+    assert engine.get_weight_version() == version
+    with pytest.raises(RuntimeError, match="refuses to generate"):
+        engine.generate(prompt_token_ids=[[5, 6, 7]], use_tqdm=False)
+    push_colocated(trained, [engine], bucket_bytes=64 << 10, weight_version="whole")
+    assert engine.get_weight_state()["state"] == "consistent" and engine.get_weight_version() == "whole"
+    assert engine.weights_fingerprint() == weight_sync.fingerprint(list(trained.named_parameters()))
+    push_colocated(hf_model, [engine], weight_version="restored")  # the module's engine serves the checkpoint again
+    out = engine.generate(prompt_token_ids=[[5, 6, 7]], use_tqdm=False,
+                          sampling_params=SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_reference(path).greedy([5, 6, 7], 6)

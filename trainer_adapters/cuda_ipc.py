@@ -77,6 +77,15 @@ def push_cuda_ipc(model: Any, engines: Sequence[Any] | None, *, dtype: torch.dty
     return {"tensors": len(plan), "bytes": nbytes, "seconds": time.perf_counter() - start}
 
 
+def _settle(futures: list[Any], timeout: float | None) -> None:
+    """Wait for engine calls still running after a failure (their own errors are the engine's report)."""
+    for f in {id(f): f for f in futures}.values():
+        try:
+            f.result(timeout)
+        except Exception:  # noqa: BLE001 - the first failure is the one raised
+            pass
+
+
 def push_colocated(model: Any, engines: Sequence[Any] | None, *, bucket_bytes: int | None = None,
                    dtype: torch.dtype | None = None, backend: str = "auto", weight_version: str | None = None,
                    timeout: float | None = None) -> dict[str, Any] | None:
@@ -92,7 +101,10 @@ def push_colocated(model: Any, engines: Sequence[Any] | None, *, bucket_bytes: i
     (two gathered buckets alive at a time, so the engines never wait for the trainer between buckets); ZeRO-3
     holds one (its gather ends when the iteration moves on). The last call completes the update (cache
     flush, version bump). Returns {tensors, buckets, bytes, seconds, results} where engines were given, None
-    elsewhere.
+    elsewhere. When an engine call fails, this rank waits for its calls in flight, gathers the remaining
+    buckets without sending them (the other ranks' collectives stay matched, so they finish their push
+    instead of hanging) and raises the first error; the engine, left with a partial update, refuses
+    requests until a complete one lands.
     """
     import time
 
@@ -107,27 +119,36 @@ def push_colocated(model: Any, engines: Sequence[Any] | None, *, bucket_bytes: i
         "bucket", DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes, dtype)
     start, nbytes, results = time.perf_counter(), 0, []
     buckets = source.gathered(plan)
-    bucket, pending = next(buckets), None
-    for k in range(len(plan)):
-        if dtype is not None:
-            bucket = [(n, t.to(dtype)) for n, t in bucket]
-        last = k == len(plan) - 1
-        futures = [e.update_weights_from_tensor(bucket, flush_cache=last, async_op=True,
-                                                weight_version=weight_version if last else None) for e in handles]
-        nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        # where the source's buckets outlive one more step of the iteration, the engines always have the next
-        # bucket queued: bucket k+1 is gathered (into bucket k-1's memory, once the engines are done with it)
-        # and sent while they load bucket k; else the next gather waits until they are done. The last
-        # next() ends the iteration on every rank (a ZeRO-3 gather context is left collectively)
-        if source.owns_buckets:
-            if pending is not None:
-                results.append([f.result(timeout) for f in pending])
-            pending = futures
-        else:
-            results.append([f.result(timeout) for f in futures])
-        bucket = next(buckets, None)
-    if pending is not None:
-        results.append([f.result(timeout) for f in pending])
+    pending = futures = None
+    try:
+        bucket = next(buckets)
+        for k in range(len(plan)):
+            if dtype is not None:
+                bucket = [(n, t.to(dtype)) for n, t in bucket]
+            last = k == len(plan) - 1
+            futures = [e.update_weights_from_tensor(bucket, flush_cache=last, async_op=True,
+                                                    weight_version=weight_version if last else None)
+                       for e in handles]
+            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            # where the source's buckets outlive one more step of the iteration, the engines always have the
+            # next bucket queued: bucket k+1 is gathered (into bucket k-1's memory, once the engines are done
+            # with it) and sent while they load bucket k; else the next gather waits until they are done. The
+            # last next() ends the iteration on every rank (a ZeRO-3 gather context is left collectively)
+            if source.owns_buckets:
+                if pending is not None:
+                    results.append([f.result(timeout) for f in pending])
+                pending = futures
+            else:
+                results.append([f.result(timeout) for f in futures])
+            bucket = next(buckets, None)
+        if pending is not None:
+            results.append([f.result(timeout) for f in pending])
+    except BaseException:
+        _settle((pending or []) + (futures or []), timeout)  # no gather may reuse memory an engine still reads
+        raise
+    finally:
+        for _ in buckets:  # after a failure, keep gathering so the other ranks' collectives are matched
+            pass
     if not handles:
         return None
     return {"tensors": len(source.params), "buckets": len(plan), "bytes": nbytes,

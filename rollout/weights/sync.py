@@ -246,13 +246,17 @@ class WeightSync:
 
     def _apply(self, tensors: list[tuple[str, torch.Tensor]], problems: list[str], start: float, flush_cache: bool,
                weight_version: str | None, check_finite: bool, group_name: str | None) -> dict[str, Any]:
-        """Reject (weights untouched) or load, then close the session if it is complete."""
-        if problems:
-            raise ValueError("; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
-        if check_finite:
+        """Reject (weights untouched) or load, then close the session if it is complete. A call rejected while
+        a session is open leaves the earlier calls' parameters loaded: the weights are marked inconsistent,
+        so only a complete update (not a later call that merely asks to close the session) makes them whole."""
+        if check_finite and not problems:
             bad = self.updater.nonfinite(tensors)
-            if bad:
-                raise ValueError(f"non-finite values in {bad[:5]}")
+            problems = [f"non-finite values in {bad[:5]}"] if bad else []
+        if problems:
+            reason = "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+            if self.updater.session and self.updater.inconsistent is None:
+                self.updater.mark_inconsistent(f"an update call was refused mid-update ({reason})")
+            raise ValueError(reason)
         if not self.updater.session:
             self.version_before_session = self.weight_version
         t_load = time.perf_counter()
