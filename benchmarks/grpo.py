@@ -126,7 +126,7 @@ def rl_steps(engine: Any, batches: list[GrpoBatch], push: Any, temperature: floa
         worker = _Rollout(engine, batches[0], temperature)
         for i in range(len(batches)):
             if in_flight and i + 1 < len(batches):
-                _wait_for_tail(engine, worker, slots)
+                _wait_for_tail(engine, worker, min(slots, len(batches[i].prompts)))
             else:
                 worker.join()
             t_push = time.perf_counter()
@@ -162,15 +162,17 @@ class _Rollout:
         return not self._thread.is_alive()
 
 
-def _wait_for_tail(engine: Any, worker: _Rollout, slots: int) -> None:
-    """Until the batch, once at least a quarter of the slots' requests were in the engine, has fewer left (or
-    has finished). The first condition matters: right after ``generate`` is called its requests may not have
-    reached the scheduler yet, and an empty engine is not a tail."""
+def _wait_for_tail(engine: Any, worker: _Rollout, width: int) -> None:
+    """Until the batch, once at least a quarter of ``width`` requests (the batch's, or the slots when fewer)
+    were in the engine, has fewer left (or has finished). The first condition matters: right after
+    ``generate`` is called its requests may not have reached the scheduler yet, and an empty engine is not a
+    tail. Counting against the batch, not the slots, keeps a batch smaller than the slots from looking like
+    a tail as soon as its first request ends."""
     started = False
     while not worker.done:
         load = engine.get_load()
         left = load["running"] + load["waiting"]
-        if left >= slots / 4:
+        if left >= width / 4:
             started = True
         elif started:
             return
