@@ -330,3 +330,24 @@ def test_grpo_distributed_trainer_needs_a_gpu_of_its_own(device, tp, visible, ex
             distributed_placement(device, tp)
     else:
         assert distributed_placement(device, tp).device == expected
+
+
+def test_in_flight_push_waits_for_the_tail_of_a_batch_smaller_than_the_slots():
+    """1,024 slots, a batch of 16 requests: the push waits until fewer than a quarter of the batch (4) is left,
+    not until fewer than a quarter of the slots (256), which would be right away."""
+    from benchmarks.grpo import _wait_for_tail
+
+    loads = iter([0, 16, 16, 15, 9, 4, 3, 2])  # requests left of the batch, one per poll
+
+    class Engine:
+        polls = 0
+
+        def get_load(self):
+            Engine.polls += 1
+            return {"running": next(loads), "waiting": 0}
+
+    class Worker:
+        done = False
+
+    _wait_for_tail(Engine(), Worker(), min(1024, 16))
+    assert Engine.polls == 7  # returned at the first poll with 3 left
