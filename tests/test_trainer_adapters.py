@@ -421,3 +421,63 @@ def test_a_call_refused_mid_session_keeps_the_engine_from_closing_it(hf_model, e
     out = engine.generate(prompt_token_ids=[[5, 6, 7]], use_tqdm=False,
                           sampling_params=SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
     assert out[0].outputs[0].token_ids == hf_reference(path).greedy([5, 6, 7], 6)
+
+
+def _push_failing_rank(rank: int, port: int, result_path: str) -> None:
+    """One FSDP2 rank of two: rank 0's engine refuses the second bucket, rank 1 has no engine."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from trainer_adapters import push_colocated
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))  # a mismatched collective fails instead of hanging
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        log: list = []
+
+        class Refusing:
+            def update_weights_from_tensor(self, bucket, flush_cache, async_op, weight_version=None):
+                log.append(len(log))
+                fut: Future = Future()
+                if len(log) == 2:
+                    fut.set_exception(ValueError("bucket refused"))
+                else:
+                    fut.set_result({"complete": flush_cache})
+                return fut
+
+        error = None
+        try:
+            push_colocated(model, [Refusing()] if rank == 0 else None, bucket_bytes=16 * 17 * 4)
+        except ValueError as e:
+            error = str(e)
+        # both ranks are in step after the push: the next collective matches
+        after = torch.tensor([rank + 1.0])
+        dist.all_reduce(after)
+        torch.save({"error": error, "calls": len(log), "after": after.item()}, f"{result_path}.{rank}")
+        del mesh, model
+    finally:
+        dist.destroy_process_group()
+        gc.collect()
+
+
+def test_fsdp2_push_failing_on_one_rank_leaves_the_other_rank_in_step(tmp_path):
+    """Two FSDP2 ranks over gloo, four buckets: rank 0's engine refuses bucket 2. Rank 0 raises, rank 1 (no
+    engine) finishes its push, and both meet at the next collective."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "push"
+    mp.start_processes(_push_failing_rank, args=(free_port(), str(out)), nprocs=2, start_method="spawn")
+    first, second = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert first["error"] == "bucket refused" and second["error"] is None
+    assert first["calls"] in (2, 3)  # bucket 3 may already be on its way when bucket 2's refusal is read
+    assert first["after"] == second["after"] == 3.0
