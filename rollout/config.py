@@ -208,7 +208,7 @@ class EngineConfig:
     free for the running requests (``rollout.scheduler.admission.NewTokenRatio``: 0.7 of it times this at
     first, decaying while nothing is retracted); lower admits more at once and retracts more when the KV
     pool is tight, 0 reserves one page per running request. Default 0.3, not SGLang's 1: on an H200 GRPO
-    rollouts in a tight KV pool ran 5-7% faster than with 0 and than with 1, and as fast as both with a
+    rollouts in a tight KV pool ran 5-9% faster than with 0 and than with 1, and as fast as both with a
     large pool (docs/rl_rollouts.md).
     """
 
