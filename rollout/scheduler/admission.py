@@ -39,7 +39,12 @@ class NewTokenRatio:
         self.decay = (self.init - self.min) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.value = self.init
         self.page_size = page_size
-        self.careful = schedule_conservativeness > 0  # reserve for the requests admitted alongside
+
+    @property
+    def careful(self) -> bool:
+        """An estimate is kept (conservativeness > 0): requests admitted alongside reserve their budgets and a
+        full pool retracts for ``RETRACT_DECODE_STEPS`` steps."""
+        return self.init > 0
 
     @staticmethod
     def _remaining(req: Req) -> int:
