@@ -79,6 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="KV pool size in tokens (overrides --mem-fraction-static): a KV-tight setup, e.g. colocated")
     p.add_argument("--schedule-conservativeness", type=float, default=None,
                    help="KV admission's reserve for the running requests (engine default 0.3; 0: one page each)")
+    p.add_argument("--disable-cascade-attn", action="store_true",
+                   help="decode reads a shared prompt once per request (default: once per group, cascade decode)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None)
     p.add_argument("--decode-attention-backend", choices=DECODE_ATTENTION_BACKENDS, default=None,
                    help="decode kernel under the flashinfer backend (default auto: triton)")

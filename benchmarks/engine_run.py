@@ -51,8 +51,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine keyword options from the flags; presets skip the tokenizer (no detokenizer process)."""
     opts: dict[str, Any] = {"seed": args.seed, "skip_tokenizer_init": bool(args.preset),
                             "load_format": getattr(args, "load_format", "auto")}
-    if getattr(args, "enable_mixed_chunk", False):
-        opts["enable_mixed_chunk"] = True
+    for switch in ("enable_mixed_chunk", "disable_cascade_attn"):
+        if getattr(args, switch, False):
+            opts[switch] = True
     for name in ("max_running_requests", "mem_fraction_static", "max_total_tokens", "attention_backend",
                  "decode_attention_backend", "kv_cache_dtype", "quantization", "page_size", "chunked_prefill_size",
                  "max_prefill_tokens", "cuda_graph_max_bs", "schedule_conservativeness"):

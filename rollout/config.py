@@ -210,6 +210,11 @@ class EngineConfig:
     pool is tight, 0 reserves one page per running request. Default 0.3, not SGLang's 1: on an H200 GRPO
     rollouts in a tight KV pool ran 5-9% faster than with 0 and than with 1, and as fast as both with a
     large pool (docs/rl_rollouts.md).
+    ``disable_cascade_attn`` (vLLM's name): cascade decode attention is on by default. Running requests whose
+    KV starts with the same cached prefix (GRPO's N samples of one prompt, through the radix cache) form
+    groups, and the Triton decode kernel reads each group's prefix once for all its members instead of once
+    per member (``rollout.kernels.decode_attention``); CUDA graphs get a cascade variant per batch size.
+    Results are the same attention; other decode backends ignore the groups.
     """
 
     model_path: str
@@ -248,6 +253,7 @@ class EngineConfig:
     update_weights_in_flight: bool = False
     enable_mixed_chunk: bool = False
     schedule_conservativeness: float = 0.3
+    disable_cascade_attn: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -135,7 +135,8 @@ def test_flags_have_sglang_names_and_map_to_engine_options():
                                 "--max-running-requests", "64", "--random-seed", "3", "--device", "cpu",
                                 "--weight-version", "v0", "--disable-radix-cache",
                                 "--decode-attention-backend", "flashinfer", "--quantization", "fp8",
-                                "--cuda-graph-max-bs", "512", "--schedule-conservativeness", "0.3"])
+                                "--cuda-graph-max-bs", "512", "--schedule-conservativeness", "0.3",
+                                "--disable-cascade-attn"])
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 30000, None)
     kwargs = args.engine_kwargs()
     assert kwargs["model_path"] == "/m" and kwargs["tp_size"] == 2 and kwargs["dtype"] == "bfloat16"
@@ -144,6 +145,7 @@ def test_flags_have_sglang_names_and_map_to_engine_options():
     assert kwargs["weight_version"] == "v0" and kwargs["disable_radix_cache"] is True
     assert kwargs["decode_attention_backend"] == "flashinfer" and kwargs["quantization"] == "fp8"
     assert kwargs["cuda_graph_max_bs"] == 512 and kwargs["schedule_conservativeness"] == 0.3
+    assert kwargs["disable_cascade_attn"] is True
     from rollout.config import EngineConfig
 
     assert set(kwargs) - {"model_path", "tp_size", "dtype", "device"} <= EngineConfig.field_names()

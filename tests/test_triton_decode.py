@@ -130,3 +130,71 @@ def test_fused_merge_rejects_short_or_wrong_counters():
     for bad in (torch.zeros(7, dtype=torch.int32), torch.zeros(8, dtype=torch.int64)):
         with pytest.raises(ValueError, match="counters"):
             decode_attention(q, k_buf, v_buf, indptr, indices, 0.1, 2, counters=bad.to(q.device))
+
+
+def shared_prefix_case(kv_dtype, hq: int, hk: int, d: int, seed: int):
+    """Six requests over one pool: rows 0, 1, 3 share their first 70 slots, rows 4 and 2 their first 40 (row 4
+    listed first), row 5 shares nothing. Returns the case and its ``SharedPrefixArgs`` pieces: the group
+    table (with an unused group and -1 padding) and each row's covered prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [75, 130, 41, 71, 90, 17]
+    prefixes = {0: (70, [0, 1, 3]), 1: (40, [4, 2])}
+    slots = sum(seq_lens) + 9
+    k_buf = (torch.randn(slots, hk, d, generator=gen) * 2).to(kv_dtype)
+    v_buf = torch.randn(slots, hk, d, generator=gen).to(kv_dtype)
+    perm = (torch.randperm(slots - 1, generator=gen) + 1).to(torch.int32)
+    lists = [perm[sum(seq_lens[:i]):sum(seq_lens[:i + 1])].clone() for i in range(len(seq_lens))]
+    for plen, members in prefixes.values():
+        for m in members[1:]:
+            lists[m][:plen] = lists[members[0]][:plen]
+    indices = torch.cat(lists)
+    indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.tensor(seq_lens).cumsum(0)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(torch.bfloat16)
+    members = 4
+    groups = torch.full((3, 1 + members), -1, dtype=torch.int32)
+    groups[2, 0] = 0  # unused
+    req_prefix = torch.zeros(len(seq_lens), dtype=torch.int32)
+    for g, (plen, rows) in prefixes.items():
+        groups[g, 0] = plen
+        groups[g, 1:1 + len(rows)] = torch.tensor(rows, dtype=torch.int32)
+        req_prefix[rows] = plen
+    dev = [t.to(DEVICE) for t in (q, k_buf, v_buf, indptr, indices, groups, req_prefix)]
+    return dev
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("splits,prefix_splits", [(1, 1), (1, 2), (4, 2)])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["group4", "group1"])
+def test_shared_prefix_equals_attention_over_each_whole_kv(kv_dtype, splits, prefix_splits, heads):
+    """Cascade decode (stage 0 reads each group's prefix once for all its members) gives the attention of each
+    request over its whole KV list: grouped rows, a row in no group, an unused group and member padding."""
+    from rollout.kernels.decode_attention import SharedPrefixArgs
+
+    hq, hk = heads
+    q, k_buf, v_buf, indptr, indices, groups, req_prefix = shared_prefix_case(kv_dtype, hq, hk, 64, seed=3)
+    counters = torch.zeros(q.shape[0] * hk, dtype=torch.int32, device=q.device)
+    args = SharedPrefixArgs(groups, req_prefix, prefix_splits)
+    for _ in range(2):  # a second launch (a graph replay) finds the counts back at 0
+        out = decode_attention(q, k_buf, v_buf, indptr, indices, 0.125, splits, counters=counters,
+                               shared_prefix=args, launch=DecodeLaunch(16, 4, 2))
+        assert counters.eq(0).all()
+    want = reference(q, k_buf, v_buf, indptr, indices, 0.125,
+                     compute=torch.float16 if kv_dtype.itemsize == 1 else torch.bfloat16)
+    torch.testing.assert_close(out.float().cpu(), want, atol=1e-2, rtol=1e-2)
+    plain = decode_attention(q, k_buf, v_buf, indptr, indices, 0.125, splits, counters=counters,
+                             launch=DecodeLaunch(16, 4, 2))
+    torch.testing.assert_close(out.float(), plain.float(), atol=4e-3, rtol=4e-3)
+
+
+def test_shared_prefix_needs_counters_and_int32_tables():
+    from rollout.kernels.decode_attention import SharedPrefixArgs
+
+    q, k_buf, v_buf, indptr, indices, groups, req_prefix = shared_prefix_case(torch.bfloat16, 8, 2, 64, seed=1)
+    counters = torch.zeros(q.shape[0] * 2, dtype=torch.int32, device=q.device)
+    with pytest.raises(ValueError, match="pass counters"):
+        decode_attention(q, k_buf, v_buf, indptr, indices, 0.1, 1, shared_prefix=SharedPrefixArgs(groups, req_prefix, 1))
+    for bad in (SharedPrefixArgs(groups.long(), req_prefix, 1), SharedPrefixArgs(groups, req_prefix[:3], 1),
+                SharedPrefixArgs(groups, req_prefix, 3)):
+        with pytest.raises(ValueError, match="shared_prefix"):
+            decode_attention(q, k_buf, v_buf, indptr, indices, 0.1, 1, counters=counters, shared_prefix=bad)

@@ -22,9 +22,15 @@ class AttentionBackend:
     ``supports_cuda_graph``: decode forwards through this backend can be captured in CUDA graphs; the backend
     then implements the graph hooks ``CudaGraphRunner`` calls, for decode batches only:
     ``graph_state`` (once per padded batch size), ``init_graph_metadata`` (before capture) and
-    ``prepare_graph_replay`` (before every replay)."""
+    ``prepare_graph_replay`` (before every replay).
+
+    ``max_shared_prefix_members``: the most rows of one ``ForwardBatch.shared_prefixes`` group a decode forward
+    takes (cascade decode; 0: the backend ignores the groups). A backend that takes them builds its graph
+    states with room for them: ``CudaGraphRunner`` then captures a cascade variant of each graph, replayed for
+    batches with groups."""
 
     supports_cuda_graph: bool = False
+    max_shared_prefix_members: int = 0
 
     def init_forward_metadata(self, batch: "ForwardBatch") -> None:
         """Prepare per-batch metadata once before the layers run (index lists, planner state); sets

@@ -18,14 +18,17 @@ if TYPE_CHECKING:
 @dataclass
 class DecodeGraphState:
     """A decode CUDA graph's fixed ``indptr`` buffer [batch_size + 1] at its padded ``batch_size`` (the slot
-    lists go to the shared ``kv_indices_buf``, XQA's page lists to its page table)."""
+    lists go to the shared ``kv_indices_buf``, XQA's page lists to its page table), and with ``prefix_size``
+    the fixed int32 buffer of its cascade variant's groups (``SharedPrefixes.pack``)."""
 
     batch_size: int
     indptr: torch.Tensor
+    prefix: torch.Tensor | None = None
 
     @classmethod
-    def new(cls, batch_size: int, device: torch.device) -> "DecodeGraphState":
-        return cls(batch_size, torch.zeros(batch_size + 1, dtype=torch.int32, device=device))
+    def new(cls, batch_size: int, device: torch.device, prefix_size: int = 0) -> "DecodeGraphState":
+        prefix = torch.zeros(prefix_size, dtype=torch.int32, device=device) if prefix_size else None
+        return cls(batch_size, torch.zeros(batch_size + 1, dtype=torch.int32, device=device), prefix)
 
 
 def prepare_graph_decode(batch: "ForwardBatch", state: DecodeGraphState, packed: torch.Tensor,

@@ -29,6 +29,10 @@ class HybridAttnBackend(AttentionBackend):
     def supports_cuda_graph(self) -> bool:
         return self.decode_backend.supports_cuda_graph
 
+    @property
+    def max_shared_prefix_members(self) -> int:
+        return self.decode_backend.max_shared_prefix_members
+
     def init_forward_metadata(self, batch: "ForwardBatch") -> None:
         self._backend(batch).init_forward_metadata(batch)
 

@@ -13,7 +13,7 @@ import torch
 from rollout.attention.base import AttentionBackend, require_decode
 from rollout.attention.common import AttentionSpec, SharedBuffers
 from rollout.attention.graph_inputs import DecodeGraphState, prepare_graph_decode
-from rollout.kernels.decode_attention import decode_attention, num_kv_splits
+from rollout.kernels.decode_attention import SharedPrefixArgs, decode_attention, max_prefix_members, num_kv_splits
 from rollout.kernels.decode_indices import write_kv_indices
 
 if TYPE_CHECKING:
@@ -24,21 +24,27 @@ if TYPE_CHECKING:
 @dataclass
 class TritonDecodeMetadata:
     """What the Triton decode kernel needs per forward: device ``kv_indptr`` [B + 1], ``kv_indices``
-    (int32 slots) and the number of KV splits (fixed per batch size)."""
+    (int32 slots), the number of KV splits (fixed per batch size) and, for cascade decode, the groups of rows
+    sharing a prefix."""
 
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     num_splits: int
+    shared_prefix: SharedPrefixArgs | None = None
 
 
 class TritonAttnBackend(AttentionBackend):
-    """Decode through the Triton split-KV kernel, its splits merged inside the kernel (``split_counters``)."""
+    """Decode through the Triton split-KV kernel, its splits merged inside the kernel (``split_counters``), and
+    cascade decode for a batch's ``shared_prefixes`` (up to ``max_shared_prefix_members`` rows a group; 0 for
+    models with more than 16 query heads per KV head)."""
 
     supports_cuda_graph = True
 
     def __init__(self, spec: AttentionSpec, shared: SharedBuffers) -> None:
         self.spec = spec
         self.shared = shared
+        members = max_prefix_members(spec.num_qo_heads // spec.num_kv_heads)
+        self.max_shared_prefix_members = members if members >= 2 else 0
         # one count per (request, KV head), 0 between launches, so the splits merge inside the first kernel;
         # sized for max_batch_size requests (a larger decode batch raises in decode_attention)
         self.split_counters = torch.zeros(spec.max_batch_size * spec.num_kv_heads, dtype=torch.int32,
@@ -56,25 +62,64 @@ class TritonAttnBackend(AttentionBackend):
         """Device-side index lists from one kernel launch (no host copy to wait for, so no event either):
         ``kv_indptr`` (cumulative sum of the device ``seq_lens``, into ``indptr``: a graph's fixed buffer
         when there is one) and ``kv_indices`` (into ``kv_indices_buf``)."""
+        b = len(batch.seq_lens_cpu)
         indices = write_kv_indices(batch.req_to_token, batch.req_pool_indices, batch.seq_lens, indptr,
                                    self.shared.kv_indices_buf, sum(batch.seq_lens_cpu))
-        return self._with_splits(indptr, indices, len(batch.seq_lens_cpu))
+        meta = self._with_splits(indptr, indices, b)
+        shared = batch.shared_prefixes
+        if shared is not None and shared.members and self.max_shared_prefix_members:
+            groups = len(shared.members)
+            packed = shared.pack(b, groups, self.max_shared_prefix_members, pin=self.spec.device.type == "cuda")
+            meta.shared_prefix = self._prefix_args(packed.to(self.spec.device, non_blocking=True), b, groups,
+                                                   self._splits(groups))
+        return meta
 
     def _with_splits(self, indptr: torch.Tensor, indices: torch.Tensor, batch_size: int) -> TritonDecodeMetadata:
-        return TritonDecodeMetadata(indptr, indices, num_kv_splits(batch_size, self.spec.num_kv_heads,
-                                                                   self.shared.num_sms, self.spec.kv_dtype.itemsize))
+        return TritonDecodeMetadata(indptr, indices, self._splits(batch_size))
+
+    def _splits(self, programs: int) -> int:
+        """KV splits for ``programs`` (requests, or groups of stage 0) per KV head."""
+        return num_kv_splits(programs, self.spec.num_kv_heads, self.shared.num_sms, self.spec.kv_dtype.itemsize)
+
+    def _prefix_args(self, buf: torch.Tensor, batch_size: int, max_groups: int, splits: int) -> SharedPrefixArgs:
+        """Views of a device ``SharedPrefixes.pack`` layout for the kernel."""
+        table = buf[batch_size:].view(max_groups, 1 + self.max_shared_prefix_members)
+        return SharedPrefixArgs(table, buf[:batch_size], splits)
+
+    def _graph_groups(self, batch_size: int) -> int:
+        """Groups a cascade graph of ``batch_size`` rows has room for (each has at least 2 rows)."""
+        return batch_size // 2
 
     def graph_state(self, batch_size: int) -> DecodeGraphState:
-        return DecodeGraphState.new(batch_size, self.spec.device)
+        groups = self._graph_groups(batch_size) if self.max_shared_prefix_members else 0
+        size = batch_size + groups * (1 + self.max_shared_prefix_members) if groups else 0
+        return DecodeGraphState.new(batch_size, self.spec.device, size)
 
     def init_graph_metadata(self, batch: "ForwardBatch", state: DecodeGraphState) -> None:
         batch.attn_metadata = self._metadata(batch, state.indptr)
+        self._graph_prefix(batch, state)
 
     def prepare_graph_replay(self, batch: "ForwardBatch", state: DecodeGraphState, packed: torch.Tensor,
                              last_token_ids: torch.Tensor) -> None:
-        """Inputs, table write and index lists in one launch (``prepare_graph_decode``)."""
+        """Inputs, table write and index lists in one launch (``prepare_graph_decode``); for the cascade graph
+        (``batch.shared_prefixes`` set) one more copy: the groups into the graph's buffer."""
         indices = prepare_graph_decode(batch, state, packed, last_token_ids, self.shared.kv_indices_buf)
         batch.attn_metadata = self._with_splits(state.indptr, indices, len(batch.seq_lens_cpu))
+        if batch.shared_prefixes is not None:
+            groups, cuda = self._graph_groups(state.batch_size), self.spec.device.type == "cuda"
+            state.prefix.copy_(batch.shared_prefixes.pack(state.batch_size, groups, self.max_shared_prefix_members,
+                                                          pin=cuda), non_blocking=cuda)
+        self._graph_prefix(batch, state)
+
+    def _graph_prefix(self, batch: "ForwardBatch", state: DecodeGraphState) -> None:
+        """The cascade variant's stage 0 arguments over the graph's fixed buffer (stage 0 programs for about one
+        group per 8 rows, as in GRPO with 8 samples a prompt)."""
+        if batch.shared_prefixes is not None:
+            if state.prefix is None:
+                raise ValueError(f"no cascade decode graph at batch size {state.batch_size}")
+            bs = state.batch_size
+            batch.attn_metadata.shared_prefix = self._prefix_args(state.prefix, bs, self._graph_groups(bs),
+                                                                  self._splits(max(1, bs // 8)))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: "Attention",
                 batch: "ForwardBatch", kv_stored: bool = False) -> torch.Tensor:
@@ -86,4 +131,5 @@ class TritonAttnBackend(AttentionBackend):
         # the kernel rounds q to its compute type and writes spec.dtype itself
         out = torch.empty(q.shape, dtype=self.spec.dtype, device=q.device)
         return decode_attention(q.contiguous(), k_buf, v_buf, meta.kv_indptr, meta.kv_indices, self.spec.scaling,
-                                meta.num_splits, out=out, counters=self.split_counters)
+                                meta.num_splits, out=out, counters=self.split_counters,
+                                shared_prefix=meta.shared_prefix)

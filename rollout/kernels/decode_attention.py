@@ -11,6 +11,13 @@ scale) and meet the queries on tensor cores with float32 accumulation and an onl
 With a ``counters`` buffer there is no stage 2 launch: the last program of each (request, KV head) to finish
 its split (an atomic count per pair) merges the pair's splits and sets the count back to 0.
 
+Cascade (shared-prefix) decode, ``SharedPrefixArgs``: requests whose first P KV slots are the same (GRPO's N
+samples of one cached prompt) form a group, and a stage 0 launch, grid (groups, kv_heads, prefix_splits),
+reads each group's prefix once for all its members' queries (members x GROUP rows of one MMA tile) and writes
+their partials after the SPLITS slots of the split buffer; stage 1 then covers each member's own suffix only
+and its merge takes the prefix partials in. A prefix read once instead of N times is the whole gain: decode
+attention is bound by KV bytes.
+
 Semantics: ``out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b`` where K_b, V_b are the rows
 ``k_buffer[kv_indices[kv_indptr[b]:kv_indptr[b+1]], h // group]`` widened to the compute type (float16
 for float8 pools or non-16-bit queries, else q's dtype; q is rounded to it too); p is rounded to that type
@@ -46,11 +53,58 @@ def default_launch(kv_dtype: torch.dtype) -> DecodeLaunch:
 
 
 @triton.jit
+def _attend(qv, k_base, v_base, kv_indices, start, lo, hi, k_ss, v_ss, d_ok, qk_scale, v_scale,
+            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Online softmax of the query tile ``qv`` [BLOCK_H, BLOCK_D] (already in the compute type) over the tokens
+    ``kv_indices[start + lo : start + hi]``: (unnormalized output, row sums, row maxima in log2 units)."""
+    compute = qv.dtype
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        slot = tl.load(kv_indices + start + n, mask=n_ok, other=0).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        kt = tl.load(k_base + slot[:, None] * k_ss, mask=kv_mask, other=0.0)
+        vt = tl.load(v_base + slot[:, None] * v_ss, mask=kv_mask, other=0.0)
+        s = tl.dot(qv, tl.trans(kt.to(compute))) * qk_scale  # log2 units
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        vt = vt.to(compute)
+        if v_base.dtype.element_ty.primitive_bitwidth == 8:
+            # Scaling the widened tile by the pool's (unit) scale, a runtime value, keeps the widening where
+            # the tile was loaded (16-byte shared-memory reads, then ldmatrix.trans on the 16-bit copy);
+            # a bare widening is moved into the MMA operand layout, which reads the float8 V tile from
+            # shared memory one byte at a time. (A re-mask does the same at 2.5x the instructions.)
+            vt = vt * tl.cast(v_scale, compute)
+        acc = acc * alpha[:, None] + tl.dot(p.to(compute), vt)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _store_partial(mid_o, mid_lse, o_row, lse_row, row_ok, d, d_ok, split, acc, l_i, m_i, m_ss):
+    """One split's normalized partial output and log-sum-exp (base 2) per row, at ``mid_o + o_row`` and
+    ``mid_lse + lse_row`` (each row's request and head offsets); an empty split leaves acc = 0 and lse = m_i =
+    -inf, which the merge weighs as 0."""
+    l_safe = tl.maximum(l_i, 1e-30)
+    o = acc / l_safe[:, None]
+    lse = m_i + tl.log2(l_safe)
+    tl.store(mid_o + o_row[:, None] + split * m_ss + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(mid_lse + lse_row + split, lse, mask=row_ok)
+
+
+@triton.jit
 def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, qk_scale, v_scale,
                          q_sb, q_sh, k_ss, k_sh, v_ss, v_sh, o_sb, o_sh, m_sb, m_sh, m_ss, l_sb, l_sh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, counters, FUSED_MERGE: tl.constexpr):
+                         NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, counters, FUSED_MERGE: tl.constexpr,
+                         req_prefix, PREFIX_SPLITS: tl.constexpr):
     pdl_prologue(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,77 +123,108 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
                  other=0.0).to(compute)
     start = tl.load(kv_indptr + b)
     seq_len = tl.load(kv_indptr + b + 1) - start
+    skip = 0
+    if PREFIX_SPLITS > 0:  # the group's prefix is stage 0's: this request's own tokens follow it
+        skip = tl.load(req_prefix + b)
+    start += skip
+    seq_len -= skip
     per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    k_base = k_buf + kv_head * k_sh + d[None, :]
-    v_base = v_buf + kv_head * v_sh + d[None, :]
-    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        slot = tl.load(kv_indices + start + n, mask=n_ok, other=0).to(tl.int64)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        kt = tl.load(k_base + slot[:, None] * k_ss, mask=kv_mask, other=0.0)
-        vt = tl.load(v_base + slot[:, None] * v_ss, mask=kv_mask, other=0.0)
-        s = tl.dot(qv, tl.trans(kt.to(compute))) * qk_scale  # log2 units
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        vt = vt.to(compute)
-        if v_buf.dtype.element_ty.primitive_bitwidth == 8:
-            # Scaling the widened tile by the pool's (unit) scale, a runtime value, keeps the widening where
-            # the tile was loaded (16-byte shared-memory reads, then ldmatrix.trans on the 16-bit copy);
-            # a bare widening is moved into the MMA operand layout, which reads the float8 V tile from
-            # shared memory one byte at a time. (A re-mask does the same at 2.5x the instructions.)
-            vt = vt * tl.cast(v_scale, compute)
-        acc = acc * alpha[:, None] + tl.dot(p.to(compute), vt)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-    o_mask = row_ok[:, None] & d_ok[None, :]
-    if SPLITS == 1:
+    acc, l_i, m_i = _attend(qv, k_buf + kv_head * k_sh + d[None, :], v_buf + kv_head * v_sh + d[None, :],
+                            kv_indices, start, lo, hi, k_ss, v_ss, d_ok, qk_scale, v_scale,
+                            BLOCK_H, BLOCK_D, BLOCK_N, NUM_STAGES)
+    if SPLITS == 1 and PREFIX_SPLITS == 0:
         o = acc / l_i[:, None]
-        tl.store(out + b * o_sb + heads[:, None] * o_sh + d[None, :], o.to(out.dtype.element_ty), mask=o_mask)
-    else:  # an empty split leaves acc = 0 and lse = m_i = -inf, which the merge weighs as 0
-        l_safe = tl.maximum(l_i, 1e-30)
-        o = acc / l_safe[:, None]
-        lse = m_i + tl.log2(l_safe)
-        tl.store(mid_o + b * m_sb + heads[:, None] * m_sh + split * m_ss + d[None, :], o, mask=o_mask)
-        tl.store(mid_lse + b * l_sb + heads * l_sh + split, lse, mask=row_ok)
+        tl.store(out + b * o_sb + heads[:, None] * o_sh + d[None, :], o.to(out.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        _store_partial(mid_o, mid_lse, b * m_sb + heads * m_sh, b * l_sb + heads * l_sh, row_ok, d, d_ok, split,
+                       acc, l_i, m_i, m_ss)
         if FUSED_MERGE:
             _merge_if_last(mid_o, mid_lse, out, counters + b * tl.num_programs(1) + kv_head, b, heads, row_ok, d,
-                           d_ok, m_sb, m_sh, m_ss, l_sb, l_sh, o_sb, o_sh, BLOCK_H, BLOCK_D, SPLITS)
+                           d_ok, m_sb, m_sh, m_ss, l_sb, l_sh, o_sb, o_sh, BLOCK_H, BLOCK_D, SPLITS,
+                           SPLITS + PREFIX_SPLITS, skip)
+
+
+@triton.jit
+def _shared_prefix_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, groups, mid_o, mid_lse, qk_scale, v_scale,
+                          q_sb, q_sh, k_ss, k_sh, v_ss, v_sh, m_sb, m_sh, m_ss, l_sb, l_sh, g_s,
+                          GROUP: tl.constexpr, MEMBERS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                          SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    """Stage 0: one group's prefix (``groups[g]`` = prefix length, then MEMBERS batch rows, -1 for none; a
+    length of 0 marks an unused group) for one KV head and one of PREFIX_SPLITS slices, the queries of every
+    member in one tile (row r: member r // GROUP, head kv_head * GROUP + r % GROUP). The prefix's slots are
+    the first member's first entries in ``kv_indices``. Writes split slot SPLITS + slice of each member."""
+    pdl_prologue(USE_PDL)
+    g = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    ps = tl.program_id(2)
+    plen = tl.load(groups + g * g_s)
+    if plen > 0:
+        rows = tl.arange(0, BLOCK_R)
+        member = rows // GROUP
+        b = tl.load(groups + g * g_s + 1 + member, mask=member < MEMBERS, other=-1)
+        row_ok = b >= 0
+        b = tl.where(row_ok, b, 0)
+        heads = kv_head * GROUP + rows % GROUP
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        compute = q.dtype.element_ty
+        if q.dtype.element_ty.primitive_bitwidth != 16 or k_buf.dtype.element_ty.primitive_bitwidth == 8:
+            compute = tl.float16
+        qv = tl.load(q + b[:, None] * q_sb + heads[:, None] * q_sh + d[None, :],
+                     mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(compute)
+        start = tl.load(kv_indptr + tl.load(groups + g * g_s + 1))
+        per_split = tl.cdiv(tl.cdiv(plen, PREFIX_SPLITS), BLOCK_N) * BLOCK_N
+        lo = ps * per_split
+        hi = tl.minimum(lo + per_split, plen)
+        acc, l_i, m_i = _attend(qv, k_buf + kv_head * k_sh + d[None, :], v_buf + kv_head * v_sh + d[None, :],
+                                kv_indices, start, lo, hi, k_ss, v_ss, d_ok, qk_scale, v_scale,
+                                BLOCK_R, BLOCK_D, BLOCK_N, NUM_STAGES)
+        _store_partial(mid_o, mid_lse, b * m_sb + heads * m_sh, b * l_sb + heads * l_sh, row_ok, d, d_ok,
+                       SPLITS + ps, acc, l_i, m_i, m_ss)
 
 
 @triton.jit
 def _merge_if_last(mid_o, mid_lse, out, counter, b, heads, row_ok, d, d_ok, m_sb, m_sh, m_ss, l_sb, l_sh, o_sb,
-                   o_sh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
-    """Count this split of (request, KV head) as done; the last one merges the pair's SPLITS partials (the
-    same arithmetic as ``_merge_splits_kernel``) into ``out`` and resets the count for the next launch.
+                   o_sh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, TOTAL: tl.constexpr,
+                   prefix_len):
+    """Count this split of (request, KV head) as done; the last of the SPLITS merges the pair's partials (the
+    same arithmetic as ``_merge_splits_kernel``) into ``out`` and resets the count for the next launch: its
+    SPLITS, and when ``prefix_len`` > 0 the TOTAL - SPLITS after them that stage 0 wrote (an earlier launch).
     The barrier makes every thread's partial stores precede the release of the count; the acquiring side
     reads the partials past L1 (``.cg``)."""
     tl.debug_barrier()
     done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if done == SPLITS - 1:
         lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for sp in tl.static_range(SPLITS):
-            lse_sp = tl.load(mid_lse + b * l_sb + heads * l_sh + sp, mask=row_ok, other=0.0, cache_modifier=".cg")
+        for sp in tl.static_range(TOTAL):
+            ok = row_ok
+            if sp >= SPLITS:
+                ok = row_ok & (heads * 0 + prefix_len > 0)
+            lse_sp = tl.load(mid_lse + b * l_sb + heads * l_sh + sp, mask=ok, other=float("-inf"),
+                             cache_modifier=".cg")
             lse_max = tl.maximum(lse_max, lse_sp)
+        lse_max = tl.where(row_ok, lse_max, 0.0)
         w_sum = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        mask = row_ok[:, None] & d_ok[None, :]
-        for sp in tl.static_range(SPLITS):
-            lse_sp = tl.load(mid_lse + b * l_sb + heads * l_sh + sp, mask=row_ok, other=0.0, cache_modifier=".cg")
+        for sp in tl.static_range(TOTAL):
+            ok = row_ok
+            if sp >= SPLITS:
+                ok = row_ok & (heads * 0 + prefix_len > 0)
+            lse_sp = tl.load(mid_lse + b * l_sb + heads * l_sh + sp, mask=ok, other=float("-inf"),
+                             cache_modifier=".cg")
             w = tl.exp2(lse_sp - lse_max)
-            o_sp = tl.load(mid_o + b * m_sb + heads[:, None] * m_sh + sp * m_ss + d[None, :], mask=mask, other=0.0,
-                           cache_modifier=".cg")
+            o_sp = tl.load(mid_o + b * m_sb + heads[:, None] * m_sh + sp * m_ss + d[None, :],
+                           mask=ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
             acc += o_sp * w[:, None]
             w_sum += w
         merged = acc / tl.where(row_ok, w_sum, 1.0)[:, None]
-        tl.store(out + b * o_sb + heads[:, None] * o_sh + d[None, :], merged.to(out.dtype.element_ty), mask=mask)
+        tl.store(out + b * o_sb + heads[:, None] * o_sh + d[None, :], merged.to(out.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -171,9 +256,34 @@ def num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int, kv_itemsize:
     return min(max_splits, 1 << (want.bit_length() - 1))
 
 
+@dataclass(frozen=True)
+class SharedPrefixArgs:
+    """The groups of a decode batch whose members' first KV slots are the same, on the device (stage 0).
+
+    ``groups``: int32 [G, 1 + M], contiguous: per group its prefix length P (0: an unused row, skipped), then
+    M batch rows (-1: none), the first a real member: every member's first P entries of ``kv_indices`` are the
+    first member's, and its seq len is above P. ``req_prefix``: int32 [>= B], each batch row's P (0 for a row
+    in no group). ``splits``: stage 0 programs per group and KV head, a power of two."""
+
+    groups: torch.Tensor
+    req_prefix: torch.Tensor
+    splits: int
+
+    @property
+    def max_members(self) -> int:
+        return self.groups.shape[1] - 1
+
+
+def max_prefix_members(group: int) -> int:
+    """Members one stage 0 tile takes (members x ``group`` query heads per KV head, up to 32 rows; 1: a model
+    with more query heads per KV head than that gains nothing from cascade decode)."""
+    return max(1, 32 // group)
+
+
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, sm_scale: float, num_splits: int, out: torch.Tensor | None = None,
-                     launch: DecodeLaunch | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                     launch: DecodeLaunch | None = None, counters: torch.Tensor | None = None,
+                     shared_prefix: SharedPrefixArgs | None = None) -> torch.Tensor:
     """One query token per request against its paged KV (see the module docstring).
 
     q [B, Hq, D] (any float dtype); ``out`` [B, Hq, D] of any float dtype (default: new, q's dtype) gets
@@ -182,7 +292,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     kv_indices [kv_indptr[B]] int32 on q's device, every request with at least one token;
     ``num_splits`` a power of two (``num_kv_splits``); ``launch`` None: ``default_launch`` of the pool dtype.
     ``counters``: int32, at least B * Hk elements, all 0 (they are 0 again when the kernel ends): the splits
-    merge inside stage 1 (no second launch); None: a merge kernel runs after it. No host sync; CUDA-graph safe.
+    merge inside stage 1 (no second launch); None: a merge kernel runs after it. ``shared_prefix``: cascade
+    decode (needs ``counters``); the result is the same attention over each request's whole KV.
+    No host sync; CUDA-graph safe.
     """
     b, hq, d = q.shape
     hk = k_buffer.shape[1]
@@ -192,6 +304,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     if q.stride(-1) != 1 or k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
         raise ValueError("q and the KV buffers need a contiguous last dim")
+    prefix_splits = 0 if shared_prefix is None else shared_prefix.splits
+    if shared_prefix is not None:
+        _check_shared_prefix(shared_prefix, b, counters)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if b == 0:
         return out
@@ -199,22 +314,36 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     block_d = triton.next_power_of_2(d)
     launch = launch or default_launch(k_buffer.dtype)
     pdl = pdl_launch(q.device)
-    if num_splits > 1:
-        mid_o = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
+    total = num_splits + prefix_splits
+    if total > 1:
+        mid_o = torch.empty((b, hq, total, d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((b, hq, total), dtype=torch.float32, device=q.device)
     else:
         mid_o, mid_lse = out, out  # unused
-    fused = num_splits > 1 and counters is not None
+    fused = total > 1 and counters is not None
     if fused and (counters.dtype != torch.int32 or counters.numel() < b * hk or not counters.is_contiguous()):
         raise ValueError(f"counters must be a contiguous int32 tensor of >= {b * hk} zeros")
+    mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if total > 1 else 0, mid_lse.stride(0),
+                   mid_lse.stride(1))
+    if shared_prefix is not None and shared_prefix.groups.shape[0] > 0:
+        groups = shared_prefix.groups
+        members = shared_prefix.max_members
+        _shared_prefix_kernel[(groups.shape[0], hk, prefix_splits)](
+            q, k_buffer, v_buffer, kv_indptr, kv_indices, groups, mid_o, mid_lse, sm_scale * _LOG2E, 1.0,
+            q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+            v_buffer.stride(1), *mid_strides, groups.stride(0),
+            GROUP=group, MEMBERS=members, HEAD_DIM=d, BLOCK_R=max(16, triton.next_power_of_2(members * group)),
+            BLOCK_D=block_d, BLOCK_N=launch.block_n, SPLITS=num_splits, PREFIX_SPLITS=prefix_splits,
+            NUM_STAGES=launch.num_stages, num_warps=4, **pdl)
     _decode_split_kernel[(b, hk, num_splits)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, out, mid_o, mid_lse, sm_scale * _LOG2E, 1.0,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if num_splits > 1 else 0,
-        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1), *mid_strides,
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=launch.block_n, SPLITS=num_splits, NUM_STAGES=launch.num_stages,
-        counters=counters if fused else out, FUSED_MERGE=fused, num_warps=launch.num_warps, **pdl)
+        counters=counters if fused else out, FUSED_MERGE=fused,
+        req_prefix=out if shared_prefix is None else shared_prefix.req_prefix, PREFIX_SPLITS=prefix_splits,
+        num_warps=launch.num_warps, **pdl)
     if num_splits > 1 and not fused:
         _merge_splits_kernel[(b, hq)](
             mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
@@ -222,3 +351,14 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             num_warps=4, **pdl)
     return out
 
+
+def _check_shared_prefix(args: SharedPrefixArgs, batch_size: int, counters: torch.Tensor | None) -> None:
+    groups, req_prefix = args.groups, args.req_prefix
+    if counters is None:
+        raise ValueError("cascade decode (shared_prefix) merges inside stage 1: pass counters")
+    if args.splits < 1 or args.splits & (args.splits - 1):
+        raise ValueError(f"shared_prefix.splits must be a power of two, got {args.splits}")
+    if groups.dtype != torch.int32 or groups.dim() != 2 or groups.shape[1] < 2 or groups.stride(1) != 1:
+        raise ValueError("shared_prefix.groups must be int32 [G, 1 + M] with M >= 1, stride 1 along its rows")
+    if req_prefix.dtype != torch.int32 or req_prefix.numel() < batch_size or not req_prefix.is_contiguous():
+        raise ValueError(f"shared_prefix.req_prefix must be a contiguous int32 tensor of >= {batch_size} entries")

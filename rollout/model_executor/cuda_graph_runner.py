@@ -3,7 +3,8 @@
 Inputs live in static buffers; a replay has the attention backend fill them from the real batch (padding
 rows write their KV to the scratch slot 0 and read one cached token) and re-plan attention for that size
 (``AttentionBackend.prepare_graph_replay``: with Triton or XQA decode both in one kernel launch), and
-replays. Weights are never rebound (updates copy in place), so graphs stay valid across updates.
+replays. With ``shared_prefix`` and a backend that takes ``shared_prefixes`` groups, each size of at least 2
+also has a cascade variant, replayed for steps whose batch has groups. Weights are never rebound (updates copy in place), so graphs stay valid across updates.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rollout.model_executor.forward_batch import ForwardBatch, ForwardMode
+from rollout.model_executor.forward_batch import ForwardBatch, ForwardMode, SharedPrefixes
 
 if TYPE_CHECKING:
     from rollout.attention.base import AttentionBackend
@@ -31,9 +32,11 @@ def default_batch_sizes(max_bs: int) -> list[int]:
 class CudaGraphRunner:
     """Captures and replays decode forwards for the batch sizes in ``batch_sizes``."""
 
-    def __init__(self, runner: "ModelRunner", backend: "AttentionBackend", batch_sizes: list[int]) -> None:
+    def __init__(self, runner: "ModelRunner", backend: "AttentionBackend", batch_sizes: list[int],
+                 shared_prefix: bool = False) -> None:
         self.runner = runner
         self.backend = backend
+        self.shared_prefix = shared_prefix and backend.max_shared_prefix_members > 0
         self.batch_sizes = sorted(batch_sizes)
         self.max_bs = self.batch_sizes[-1]
         dev = runner.device
@@ -42,9 +45,10 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.rows = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.states: dict[int, Any] = {}  # the backend's graph_state per batch size
-        self.outputs: dict[int, torch.Tensor] = {}
+        # keyed by (batch size, cascade variant); the backend's graph_state per batch size serves both
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.states: dict[int, Any] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
         self.capture()
 
@@ -54,31 +58,36 @@ class CudaGraphRunner:
     def _padded(self, batch_size: int) -> int:
         return next(s for s in self.batch_sizes if s >= batch_size)
 
-    def _batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
+    def _batch(self, bs: int, seq_lens_cpu: list[int], shared: SharedPrefixes | None = None) -> ForwardBatch:
         return ForwardBatch(
             mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
             out_cache_loc=self.out_cache_loc[:bs], req_pool_indices=self.rows[:bs], seq_lens=self.seq_lens[:bs],
             seq_lens_cpu=seq_lens_cpu, extend_lens=[1] * bs, kv_pool=self.runner.kv_pool,
-            req_to_token=self.runner.req_to_token.table, attn_backend=self.backend)
+            req_to_token=self.runner.req_to_token.table, attn_backend=self.backend, shared_prefixes=shared)
 
     def capture(self) -> None:
         stream = torch.cuda.Stream(self.runner.device)
         for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory
-            state = self.backend.graph_state(bs)
-            batch = self._batch(bs, [1] * bs)
-            self.backend.init_graph_metadata(batch, state)
-            stream.wait_stream(torch.cuda.current_stream(self.runner.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up outside the graph (allocations, lazy inits)
-                    self.runner.model(batch)
-            torch.cuda.current_stream(self.runner.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                out = self.runner.model(batch)
-            self.pool = graph.pool()
-            self.graphs[bs], self.states[bs], self.outputs[bs] = graph, state, out
+            self.states[bs] = self.backend.graph_state(bs)
+            for cascade in (False, True) if self.shared_prefix and bs >= 2 else (False,):
+                self._capture(bs, cascade, stream)
         torch.cuda.synchronize(self.runner.device)
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
+        logger.info("captured CUDA graphs for decode batch sizes %s%s", self.batch_sizes,
+                    " (and their cascade variants)" if self.shared_prefix else "")
+
+    def _capture(self, bs: int, cascade: bool, stream: torch.cuda.Stream) -> None:
+        batch = self._batch(bs, [1] * bs, SharedPrefixes((), ()) if cascade else None)
+        self.backend.init_graph_metadata(batch, self.states[bs])
+        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up outside the graph (allocations, lazy inits)
+                self.runner.model(batch)
+        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            out = self.runner.model(batch)
+        self.pool = graph.pool()
+        self.graphs[bs, cascade], self.outputs[bs, cascade] = graph, out
 
     def replay(self, step: "StepInput", packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab] for a decode step of B <= max batch size; ``packed`` is ``step.decode_pack()``
@@ -87,7 +96,9 @@ class CudaGraphRunner:
         the static buffers and a plan (``AttentionBackend.prepare_graph_replay``). Nothing waits for the GPU."""
         b = len(step.rows)
         bs = self._padded(b)
-        batch = self._batch(bs, list(step.seq_lens) + [1] * (bs - b))
+        shared = step.shared_prefixes if (bs, True) in self.graphs else None
+        batch = self._batch(bs, list(step.seq_lens) + [1] * (bs - b), shared)
         self.backend.prepare_graph_replay(batch, self.states[bs], packed, last_token_ids)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:b]
+        key = (bs, shared is not None)
+        self.graphs[key].replay()
+        return self.outputs[key][:b]

@@ -13,6 +13,36 @@ if TYPE_CHECKING:
     from rollout.mem_cache.kv_pool import KVPool
 
 
+@dataclass(frozen=True)
+class SharedPrefixes:
+    """Rows of a decode batch that share their first KV slots (a cached prompt: GRPO's N samples of one prompt),
+    for cascade decode attention, which reads each group's prefix once for all its rows.
+
+    Group ``g``: rows ``members[g]`` (batch indices, at least 2, each row in at most one group) whose first
+    ``prefix_lens[g]`` (>= 1) slots are the same, every member's seq len above it."""
+
+    prefix_lens: tuple[int, ...]
+    members: tuple[tuple[int, ...], ...]
+
+    def pack(self, batch_size: int, max_groups: int, max_members: int, pin: bool = False) -> torch.Tensor:
+        """Host int32 [batch_size + max_groups * (1 + max_members)] (the kernel's layout,
+        ``rollout.kernels.decode_attention.SharedPrefixArgs``): each row's group prefix length (0: none), then
+        per group its prefix length and members padded with -1; groups past the last have length 0."""
+        if len(self.members) > max_groups or any(len(m) > max_members for m in self.members):
+            raise ValueError(f"{len(self.members)} groups of up to {max(map(len, self.members), default=0)} rows do "
+                             f"not fit {max_groups} groups of {max_members}")
+        out = torch.zeros(batch_size + max_groups * (1 + max_members), dtype=torch.int32, pin_memory=pin)
+        table = out[batch_size:].view(max_groups, 1 + max_members)
+        table[:, 1:] = -1
+        if self.members:
+            table[:len(self.members)] = torch.tensor(
+                [[n, *m] + [-1] * (max_members - len(m)) for n, m in zip(self.prefix_lens, self.members)],
+                dtype=torch.int32)
+            rows = [r for m in self.members for r in m]
+            out[rows] = torch.tensor([n for n, m in zip(self.prefix_lens, self.members) for _ in m], dtype=torch.int32)
+        return out
+
+
 class ForwardMode(enum.Enum):
     EXTEND = "extend"   # prefill (possibly a chunk, possibly after a cached prefix)
     DECODE = "decode"   # one new token per request
@@ -25,6 +55,8 @@ class ForwardBatch:
     ``input_ids``, ``positions`` and ``out_cache_loc`` are flattened over the batch ([T]); request ``i``
     contributes ``extend_lens[i]`` tokens whose KV is written to ``out_cache_loc`` and which attend to
     its first ``seq_lens[i]`` cached tokens (listed in ``req_to_token[req_pool_indices[i]]``).
+    ``shared_prefixes`` (decode, when the scheduler found some and the backend takes them): rows whose first
+    slots are the same; a backend without cascade decode ignores it.
     """
 
     mode: ForwardMode
@@ -39,6 +71,7 @@ class ForwardBatch:
     req_to_token: torch.Tensor
     attn_backend: "AttentionBackend"
     attn_metadata: Any = None
+    shared_prefixes: SharedPrefixes | None = None
 
     @property
     def batch_size(self) -> int:

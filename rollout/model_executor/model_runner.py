@@ -19,7 +19,7 @@ from rollout.layers.sampler import Sampler, SamplerOutput
 from rollout.layers.sampling_info import SamplingBatchInfo, SamplingRow
 from rollout.mem_cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from rollout.mem_cache.routed_experts import RoutedExpertsPool
-from rollout.model_executor.forward_batch import ForwardBatch, ForwardMode
+from rollout.model_executor.forward_batch import ForwardBatch, ForwardMode, SharedPrefixes
 from rollout.model_executor.memory_saver import create_memory_saver, unique_tensors
 from rollout.models.loader import build_model
 
@@ -51,6 +51,7 @@ class StepInput:
     seq_lens: list[int]
     extend_lens: list[int]
     prompt_logprobs: "PromptLogprobsRequest | None" = None
+    shared_prefixes: SharedPrefixes | None = None  # decode rows sharing a cached prefix (cascade decode)
 
     def decode_pack(self, pin: bool = False) -> torch.Tensor:
         """Host int64 [4, B], contiguous: rows ``rows``, ``positions``, ``out_slots``, ``seq_lens`` (the
@@ -217,7 +218,13 @@ class ModelRunner:
         from rollout.model_executor.cuda_graph_runner import CudaGraphRunner, default_batch_sizes
 
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
-        return CudaGraphRunner(self, self.attn_backend, default_batch_sizes(max_bs))
+        return CudaGraphRunner(self, self.attn_backend, default_batch_sizes(max_bs), self.shared_prefix_members > 0)
+
+    @property
+    def shared_prefix_members(self) -> int:
+        """The most rows of one ``StepInput.shared_prefixes`` group decode takes (0: cascade decode is off, by
+        ``disable_cascade_attn`` or because the attention backend has none; groups are then not worth building)."""
+        return 0 if self.config.disable_cascade_attn else self.attn_backend.max_shared_prefix_members
 
     def forward(self, step: StepInput) -> tuple[torch.Tensor, PromptLogprobs | None]:
         """Logits [num_requests, vocab] (model dtype; the sampler computes in float32) of each request's last
@@ -250,10 +257,10 @@ class ModelRunner:
         rows, positions, out_slots, seq_lens = packed.unbind(0)
         self.req_to_token.write_device(rows, positions, out_slots)
         return self.model(self._batch(step, self.last_token_ids[rows], rows, positions, out_slots,
-                                      seq_lens.to(torch.int32)))
+                                      seq_lens.to(torch.int32), step.shared_prefixes))
 
     def _batch(self, step: StepInput, input_ids: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-               out_slots: torch.Tensor, seq_lens: torch.Tensor) -> ForwardBatch:
+               out_slots: torch.Tensor, seq_lens: torch.Tensor, shared: SharedPrefixes | None = None) -> ForwardBatch:
         """The eager (no graph) forward batch of ``step``'s inputs, already on the device, attention planned."""
         batch = ForwardBatch(
             mode=step.mode,
@@ -267,6 +274,7 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             req_to_token=self.req_to_token.table,
             attn_backend=self.attn_backend,
+            shared_prefixes=shared,
         )
         self.attn_backend.init_forward_metadata(batch)
         return batch

@@ -20,6 +20,7 @@ from rollout.model_executor.model_runner import StepInput
 from rollout.scheduler.admission import RETRACT_DECODE_STEPS, NewTokenRatio
 from rollout.scheduler.cache import KVCacheManager
 from rollout.scheduler.output import OutputManager
+from rollout.scheduler.prefix_groups import shared_prefix_groups
 from rollout.scheduler.req import Req
 from rollout.scheduler.stats import SchedulerStats
 
@@ -28,11 +29,12 @@ logger = logging.getLogger(__name__)
 
 class DecodeManager:
     def __init__(self, cache: KVCacheManager, outputs: OutputManager, stats: SchedulerStats,
-                 ratio: NewTokenRatio) -> None:
+                 ratio: NewTokenRatio, shared_prefix_members: int = 0) -> None:
         self.cache = cache
         self.outputs = outputs
         self.stats = stats
         self.ratio = ratio
+        self.shared_prefix_members = shared_prefix_members  # cascade decode's group size (0: off)
 
     @staticmethod
     def candidates(running: list[Req]) -> list[Req]:
@@ -77,8 +79,10 @@ class DecodeManager:
         self.stats.retractions += 1
 
     def build_step(self, reqs: list[Req]) -> StepInput:
-        """One decode step over ``reqs`` (their next slots taken here)."""
+        """One decode step over ``reqs`` (their next slots taken here), with the groups sharing a cached prefix
+        when cascade decode is on."""
         slots = self.cache.alloc_decode(reqs)
         positions = [r.kv_len for r in reqs]
+        shared = shared_prefix_groups(reqs, self.shared_prefix_members) if self.shared_prefix_members else None
         return StepInput(ForwardMode.DECODE, [r.pool_row for r in reqs], None, positions, slots,
-                         [p + 1 for p in positions], [1] * len(reqs))
+                         [p + 1 for p in positions], [1] * len(reqs), shared_prefixes=shared)

@@ -35,7 +35,7 @@ _ENGINE_OPTIONS = {
 
 # on/off flags, passed to the Engine (same field name) only when set
 _ENGINE_SWITCHES = ("disable_radix_cache", "keep_weight_copy", "enable_memory_saver", "enable_return_routed_experts",
-                    "update_weights_in_flight", "enable_mixed_chunk")
+                    "update_weights_in_flight", "enable_mixed_chunk", "disable_cascade_attn")
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ class ServerArgs:
     enable_return_routed_experts: bool = False
     update_weights_in_flight: bool = False
     enable_mixed_chunk: bool = False
+    disable_cascade_attn: bool = False
     log_level: str = "info"
     log_interval: float | None = None
     log_requests: bool = False
@@ -170,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apply weight updates at the next step while requests keep running (partial rollouts)")
     p.add_argument("--enable-mixed-chunk", action="store_true",
                    help="prefill steps also decode the running requests (SGLang's mixed chunk)")
+    p.add_argument("--disable-cascade-attn", action="store_true",
+                   help="decode reads a prefix that running requests share once per request, not once per group")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-interval", type=float, default=None, help="seconds between scheduler log lines")
     p.add_argument("--log-requests", action="store_true", help="log every HTTP request (uvicorn access log)")

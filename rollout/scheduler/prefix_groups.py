@@ -1,0 +1,44 @@
+"""Which running requests of a decode step share a cached prefix, for cascade decode attention.
+
+Requests that matched the same radix-tree node hold the same slots for that node's whole path (a node's
+path never changes: a split inserts a new node above it). GRPO's N samples of one prompt: the request that
+computed the prompt ends at the node of its last token, the N - 1 that reused it one node above (they match
+all but their last prompt token), so a request alone at its node joins the group of its node's parent, over
+the parent's shorter prefix. Only prefixes of at least ``min_prefix`` tokens are grouped; groups larger than
+``max_members`` are cut into groups of that size (a last group of one is dropped).
+"""
+
+from __future__ import annotations
+
+from rollout.model_executor.forward_batch import SharedPrefixes
+from rollout.scheduler.req import Req
+
+MIN_SHARED_PREFIX = 64  # tokens: a shorter shared prefix is not worth a group
+
+
+def shared_prefix_groups(reqs: list[Req], max_members: int, min_prefix: int = MIN_SHARED_PREFIX
+                         ) -> SharedPrefixes | None:
+    """The groups of ``reqs`` (by index) that share at least ``min_prefix`` cached tokens; None when there are
+    none (or ``max_members`` < 2). Every member's KV is longer than its group's prefix (its prefix is cached,
+    its newest token is not)."""
+    if max_members < 2:
+        return None
+    by_node: dict[int, tuple[object, int, list[int]]] = {}  # id(node) -> (node, its path length, rows)
+    for i, req in enumerate(reqs):
+        if req.prefix_len >= min_prefix:
+            by_node.setdefault(id(req.last_node), (req.last_node, req.prefix_len, []))[2].append(i)
+    for key, (node, length, rows) in list(by_node.items()):
+        parent = node.parent
+        if len(rows) > 1 or parent is None or parent.parent is None or length - len(node.key) < min_prefix:
+            continue
+        by_node.setdefault(id(parent), (parent, length - len(node.key), []))[2].extend(rows)
+        del by_node[key]
+    lens: list[int] = []
+    members: list[tuple[int, ...]] = []
+    for _, length, rows in by_node.values():
+        for start in range(0, len(rows) - 1, max_members):
+            chunk = rows[start:start + max_members]
+            if len(chunk) > 1:
+                lens.append(length)
+                members.append(tuple(chunk))
+    return SharedPrefixes(tuple(lens), tuple(members)) if members else None

@@ -1,0 +1,96 @@
+"""Cascade decode's groups (``rollout.scheduler.prefix_groups``): which running requests share cached KV slots,
+found through the real radix cache as the scheduler fills it (GRPO's N samples of a prompt), and their host
+packing for the kernel (``SharedPrefixes.pack``). The kernel itself: tests/test_triton_decode.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout.mem_cache.kv_pool import ReqToTokenPool, SlotAllocator
+from rollout.model_executor.forward_batch import SharedPrefixes
+from rollout.sampling_params import SamplingParams
+from rollout.io_struct import GenerateReq
+from rollout.scheduler.cache import KVCacheManager
+from rollout.scheduler.prefix_groups import shared_prefix_groups
+from rollout.scheduler.req import Req
+
+
+def _cache() -> KVCacheManager:
+    return KVCacheManager(SlotAllocator(4096, 1), ReqToTokenPool(32, 512, "cpu"), 1)
+
+
+def _req(rid: str, prompt: list[int]) -> Req:
+    return Req(GenerateReq(rid, prompt, SamplingParams(max_tokens=8), seed=0), (2,), context_len=512)
+
+
+def _running(cache: KVCacheManager, req: Req) -> Req:
+    """Prefill ``req`` as the scheduler does (cached prefix placed, the rest computed and handed to the tree),
+    then take its first decode slot."""
+    prefix, node = cache.match(req.fill_ids[:req.prefix_match_len()])
+    cache.lock(node)
+    cache.place(req, prefix, node)
+    n = req.seq_len - req.kv_len
+    assert cache.ensure_free(cache.slots_needed(n, req.kv_len))
+    cache.extend(req, n)
+    req.kv_len += n
+    cache.cache_prefix(req)
+    req.output_ids.append(5)
+    cache.alloc_decode([req])
+    return req
+
+
+def _same_slots(cache: KVCacheManager, reqs: list[Req], n: int) -> bool:
+    rows = [cache.req_pool.slots(r.pool_row, n) for r in reqs]
+    return all(torch.equal(rows[0], r) for r in rows[1:])
+
+
+def test_grpo_samples_of_a_prompt_form_one_group_over_its_shared_slots():
+    cache = _cache()
+    a, b = list(range(100, 200)), list(range(300, 380))  # two prompts of 100 and 80 tokens
+    reqs = [_running(cache, _req(f"a{i}", a)) for i in range(4)]
+    reqs.insert(2, _running(cache, _req("other", list(range(600, 620)))))  # 20 tokens: too short to group
+    reqs += [_running(cache, _req(f"b{i}", b)) for i in range(3)]
+    shared = shared_prefix_groups(reqs, max_members=8)
+    # each sample hands its prompt to the tree after its prefill and ends at the node of the whole prompt
+    assert shared.members == ((0, 1, 3, 4), (5, 6, 7)) and shared.prefix_lens == (100, 80)
+    for rows, n in zip(shared.members, shared.prefix_lens):
+        members = [reqs[i] for i in rows]
+        assert _same_slots(cache, members, n) and all(r.kv_len + 1 > n for r in members)  # decode: kv_len + 1
+    assert shared_prefix_groups(reqs, max_members=1) is None
+    assert shared_prefix_groups(reqs[2:3], max_members=8) is None
+
+
+def test_a_request_alone_below_a_group_node_joins_it_over_the_shorter_prefix():
+    """A prompt that extends the samples' prompt ends one node deeper, alone: it joins their group over the
+    prompt they share (its parent node's path), not over its own longer prefix."""
+    cache = _cache()
+    a = list(range(100, 200))
+    reqs = [_running(cache, _req(f"a{i}", a)) for i in range(2)] + [_running(cache, _req("x", a + [7, 8, 9]))]
+    assert reqs[2].prefix_len == 103 and reqs[2].last_node.parent is reqs[0].last_node
+    shared = shared_prefix_groups(reqs, max_members=8)
+    assert shared.members == ((0, 1, 2),) and shared.prefix_lens == (100,)
+    assert _same_slots(cache, reqs, 100)
+    lone = [_running(cache, _req("y", a + [1, 2])), _running(cache, _req("z", a + [3, 4]))]
+    shared = shared_prefix_groups(lone, max_members=8)  # two singletons under one node with no rows of its own
+    assert shared.members == ((0, 1),) and shared.prefix_lens == (100,)
+
+
+def test_large_groups_are_cut_and_a_last_single_row_is_dropped():
+    cache = _cache()
+    reqs = [_running(cache, _req(f"s{i}", list(range(10, 90)))) for i in range(7)]
+    shared = shared_prefix_groups(reqs, max_members=3)
+    assert shared.members == ((0, 1, 2), (3, 4, 5)) and shared.prefix_lens == (80, 80)
+    assert shared_prefix_groups(reqs[:1], max_members=8) is None  # one request shares with nobody
+
+
+def test_pack_lays_out_each_rows_prefix_then_the_padded_group_table():
+    shared = SharedPrefixes((99, 79), ((1, 3, 0), (5, 4)))
+    out = shared.pack(batch_size=6, max_groups=3, max_members=4)
+    assert out.dtype == torch.int32
+    assert out[:6].tolist() == [99, 99, 0, 99, 79, 79]
+    assert out[6:].view(3, 5).tolist() == [[99, 1, 3, 0, -1], [79, 5, 4, -1, -1], [0, -1, -1, -1, -1]]
+    with pytest.raises(ValueError, match="do not fit"):
+        shared.pack(batch_size=6, max_groups=1, max_members=4)
+    with pytest.raises(ValueError, match="do not fit"):
+        shared.pack(batch_size=6, max_groups=3, max_members=2)
