@@ -204,8 +204,13 @@ def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str,
                     outs = run_rollout(engine, batches[0], args.temperature)
                     end = time.perf_counter()
                 after = engine.get_step_stats()
+                decode = after["decode"]  # reset by neither read: the run's share is after less before
+                rows = sum(int(b) * e["steps"] for b, e in decode.items()) - \
+                    sum(int(b) * e["steps"] for b, e in before["decode"].items())
                 report[name] = {"total": summarize(outs, end - start, load.tail_s(start, end)).to_dict(),
-                                **{k: after.get(k, 0) - before.get(k, 0) for k in ("mixed_steps", "retractions")}}
+                                "decode_rows": rows,
+                                **{k: after.get(k, 0) - before.get(k, 0)
+                                   for k in ("mixed_steps", "retractions", "cascade_steps", "cascade_rows")}}
                 continue
             with make_pusher(args.rl_sync, engine, model_path, device, dtype, args.tp_size,
                              args.trainer_device) as trainer:
@@ -232,7 +237,10 @@ def format_grpo(report: dict[str, Any]) -> str:
         lines.append(f"rollout: {s['output_tokens']} output tokens in {s['makespan_s']:.2f} s = {s['output_tok_s']:.1f} "
                      f"tok/s; tail {s['tail_s']:.2f} s (< 1/4 of the slots busy); prefix-cache hit rate "
                      f"{s['prefix_hit_rate']:.1%}; {report['rollout']['mixed_steps']} prefill steps mixed with decode; "
-                     f"{report['rollout']['retractions']} retractions")
+                     f"{report['rollout']['retractions']} retractions; cascade decode: "
+                     f"{report['rollout']['cascade_steps']} steps, "
+                     f"{report['rollout']['cascade_rows'] / max(report['rollout']['decode_rows'], 1):.1%} of the "
+                     f"decoded rows in shared-prefix groups")
         return "\n".join(lines)
     lines.append(f"weight push between steps: {w['rl_sync']} ("
                  + ("update_weights_from_tensor" if w["rl_sync"] == "tensor" else

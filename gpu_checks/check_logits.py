@@ -88,7 +88,8 @@ def run_engine(path: str, tp: int, prompts: list[list[int]], new_tokens: int, de
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         stats = engine.get_step_stats()
     print(f"engine TP={tp}: {stats['prefill']['steps']} extend steps, {stats['mixed_steps']} of them mixed with "
-          f"decode", flush=True)
+          f"decode; {stats['cascade_steps']} decode steps with shared-prefix groups ({stats['cascade_rows']} rows)",
+          flush=True)
     run = EngineRun(tp, [o.outputs[0].token_ids for o in outs], [o.outputs[0].token_logprobs for o in outs],
                     [[[(t, lp.logprob) for t, lp in d.items()] for d in o.outputs[0].logprobs] for o in outs],
                     time.time() - t0)
@@ -175,6 +176,10 @@ def main() -> int:
                    help="the engines decode the running requests inside prefill steps (pair with a small "
                         "--max-prefill-tokens so the prompts are admitted over several steps)")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="the engines' prompt tokens per step")
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="send each prompt this many times (GRPO-shaped: the samples share the cached prompt, so "
+                        "decode runs cascade attention over it)")
+    p.add_argument("--disable-cascade-attn", action="store_true", help="the engines decode without cascade attention")
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="the engines' online weight quantization (references quantize the same way)")
     p.add_argument("--fp32-reference", action=argparse.BooleanOptionalAction, default=True,
@@ -188,11 +193,13 @@ def main() -> int:
         return fp8_quantized_projections(model) if args.quantization else model
 
     path = _model_path(args)
-    prompts = _prompts(ModelConfig.from_path(path).vocab_size, args.num_seqs, args.seed)
+    prompts = [p for p in _prompts(ModelConfig.from_path(path).vocab_size, args.num_seqs // args.samples_per_prompt,
+                                   args.seed) for _ in range(args.samples_per_prompt)]
+    args.num_seqs = len(prompts)
     runs = [run_engine(path, int(tp), prompts, args.new_tokens, args.device, args.kv_cache_dtype, args.quantization,
                        decode_attention_backend=args.decode_attention_backend, page_size=args.page_size,
                        disable_cuda_graph=args.disable_cuda_graph, enable_mixed_chunk=args.enable_mixed_chunk,
-                       max_prefill_tokens=args.max_prefill_tokens)
+                       max_prefill_tokens=args.max_prefill_tokens, disable_cascade_attn=args.disable_cascade_attn)
             for tp in args.tp_sizes.split(",")]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(args.device).eval()
     worst = 0.0

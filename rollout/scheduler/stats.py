@@ -20,6 +20,8 @@ class SchedulerStats:
         self.gen_tokens = 0
         self.retractions = 0
         self.mixed_steps = 0   # extend steps that also decoded the running requests (enable_mixed_chunk)
+        self.cascade_steps = 0  # decode steps with rows grouped by a shared prefix (cascade decode)
+        self.cascade_rows = 0   # rows in those groups, summed over the steps
         self.decode_steps: dict[int, list[float]] = {}  # batch size → [count, total seconds, total kv tokens]
         self.prefill_steps = [0, 0.0, 0]                # count, seconds, tokens
         self._last_log = time.monotonic()
@@ -38,13 +40,17 @@ class SchedulerStats:
             entry[0] += 1
             entry[1] += seconds
             entry[2] += sum(step.seq_lens)
+            if step.shared_prefixes is not None:
+                self.cascade_steps += 1
+                self.cascade_rows += sum(map(len, step.shared_prefixes.members))
 
     def snapshot(self, reset: bool) -> dict[str, Any]:
         out = {"decode": {b: {"steps": c, "seconds": t, "kv_tokens": k} for b, (c, t, k) in self.decode_steps.items()},
                "prefill": {"steps": self.prefill_steps[0], "seconds": self.prefill_steps[1],
                            "tokens": self.prefill_steps[2]},
                "gen_tokens": self.gen_tokens, "prefill_tokens": self.prefill_tokens,
-               "retractions": self.retractions, "mixed_steps": self.mixed_steps}
+               "retractions": self.retractions, "mixed_steps": self.mixed_steps,
+               "cascade_steps": self.cascade_steps, "cascade_rows": self.cascade_rows}
         if reset:
             self.decode_steps = {}
             self.prefill_steps = [0, 0.0, 0]
