@@ -195,7 +195,7 @@ def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str,
     for name, in_flight in modes:
         with Engine(model_path, tp_size=args.tp_size, dtype=dtype, device=device, update_weights_in_flight=in_flight,
                     **engine_options) as engine:
-            run_rollout(engine, make_grpo_batch(_warmup_args(args), vocab, args.seed + 7), args.temperature)
+            run_rollout(engine, warmup_batch(args, vocab, args.seed + 7), args.temperature)
             engine.flush_cache()
             if not args.rl_steps:
                 before = engine.get_step_stats()
@@ -222,9 +222,17 @@ def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str,
     return report
 
 
-def _warmup_args(args: argparse.Namespace) -> argparse.Namespace:
-    return argparse.Namespace(**{**vars(args), "num_prompts": min(4, args.num_prompts), "n": 2, "output_len": 8,
-                                 "output_median": 4})
+def warmup_batch(args: argparse.Namespace, vocab: int, seed: int) -> GrpoBatch:
+    """As many requests as the timed batch, in groups of N sharing 80-token prompts, whose output lengths
+    fall by one per ``P * N / steps`` requests (at most 256 steps): the running count sweeps every decode batch
+    size the timed run meets, so each CUDA graph the run replays, cascade variants included (captured at
+    their first use), exists before the clock starts."""
+    rng = random.Random(seed)
+    total = args.num_prompts * args.n
+    steps = min(total, 256)
+    prompts = [p for p in ([rng.randrange(vocab) for _ in range(80)] for _ in range(args.num_prompts))
+               for _ in range(args.n)]
+    return GrpoBatch(prompts, [1 + i * steps // total for i in range(total)])
 
 
 def format_grpo(report: dict[str, Any]) -> str:

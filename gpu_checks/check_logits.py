@@ -71,9 +71,9 @@ def _model_path(args: argparse.Namespace) -> str:
                                 max_position_embeddings=2048, initializer_range=0.02)
 
 
-def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+def _prompts(vocab: int, n: int, seed: int, lengths: tuple[int, int] = (8, 299)) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(8, 300, (n,), generator=g)
+    lens = torch.randint(lengths[0], lengths[1] + 1, (n,), generator=g)
     return [torch.randint(3, vocab - 1, (int(k),), generator=g).tolist() for k in lens]
 
 
@@ -180,6 +180,7 @@ def main() -> int:
                    help="send each prompt this many times (GRPO-shaped: the samples share the cached prompt, so "
                         "decode runs cascade attention over it)")
     p.add_argument("--disable-cascade-attn", action="store_true", help="the engines decode without cascade attention")
+    p.add_argument("--prompt-lens", default="8,299", help="shortest,longest prompt (tokens)")
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="the engines' online weight quantization (references quantize the same way)")
     p.add_argument("--fp32-reference", action=argparse.BooleanOptionalAction, default=True,
@@ -193,8 +194,9 @@ def main() -> int:
         return fp8_quantized_projections(model) if args.quantization else model
 
     path = _model_path(args)
+    lengths = tuple(int(x) for x in args.prompt_lens.split(","))
     prompts = [p for p in _prompts(ModelConfig.from_path(path).vocab_size, args.num_seqs // args.samples_per_prompt,
-                                   args.seed) for _ in range(args.samples_per_prompt)]
+                                   args.seed, lengths) for _ in range(args.samples_per_prompt)]
     args.num_seqs = len(prompts)
     runs = [run_engine(path, int(tp), prompts, args.new_tokens, args.device, args.kv_cache_dtype, args.quantization,
                        decode_attention_backend=args.decode_attention_backend, page_size=args.page_size,
@@ -204,7 +206,8 @@ def main() -> int:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(args.device).eval()
     worst = 0.0
     where = (f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}" if args.device == "cuda" else "cpu")
-    print(f"model {path}; {args.num_seqs} sequences, prompts 8-299 tokens, {args.new_tokens} greedy tokens each; "
+    print(f"model {path}; {args.num_seqs} sequences, prompts {lengths[0]}-{lengths[1]} tokens, {args.new_tokens} greedy "
+          "tokens each; "
           f"{where}, torch {torch.__version__}, engine KV cache {args.kv_cache_dtype}, decode attention "
           f"{args.decode_attention_backend}, page size {args.page_size}, "
           f"weights {args.quantization or 'bf16'}")

@@ -51,14 +51,14 @@ def test_grpo_samples_of_a_prompt_form_one_group_over_its_shared_slots():
     reqs = [_running(cache, _req(f"a{i}", a)) for i in range(4)]
     reqs.insert(2, _running(cache, _req("other", list(range(600, 620)))))  # 20 tokens: too short to group
     reqs += [_running(cache, _req(f"b{i}", b)) for i in range(3)]
-    shared = shared_prefix_groups(reqs, max_members=8)
+    shared = shared_prefix_groups(reqs, max_members=8, min_prefix=64)
     # each sample hands its prompt to the tree after its prefill and ends at the node of the whole prompt
     assert shared.members == ((0, 1, 3, 4), (5, 6, 7)) and shared.prefix_lens == (100, 80)
     for rows, n in zip(shared.members, shared.prefix_lens):
         members = [reqs[i] for i in rows]
         assert _same_slots(cache, members, n) and all(r.kv_len + 1 > n for r in members)  # decode: kv_len + 1
-    assert shared_prefix_groups(reqs, max_members=1) is None
-    assert shared_prefix_groups(reqs[2:3], max_members=8) is None
+    assert shared_prefix_groups(reqs, max_members=1, min_prefix=64) is None
+    assert shared_prefix_groups(reqs[2:3], max_members=8, min_prefix=64) is None
 
 
 def test_a_request_alone_below_a_group_node_joins_it_over_the_shorter_prefix():
@@ -68,20 +68,34 @@ def test_a_request_alone_below_a_group_node_joins_it_over_the_shorter_prefix():
     a = list(range(100, 200))
     reqs = [_running(cache, _req(f"a{i}", a)) for i in range(2)] + [_running(cache, _req("x", a + [7, 8, 9]))]
     assert reqs[2].prefix_len == 103 and reqs[2].last_node.parent is reqs[0].last_node
-    shared = shared_prefix_groups(reqs, max_members=8)
+    shared = shared_prefix_groups(reqs, max_members=8, min_prefix=64)
     assert shared.members == ((0, 1, 2),) and shared.prefix_lens == (100,)
     assert _same_slots(cache, reqs, 100)
     lone = [_running(cache, _req("y", a + [1, 2])), _running(cache, _req("z", a + [3, 4]))]
-    shared = shared_prefix_groups(lone, max_members=8)  # two singletons under one node with no rows of its own
+    shared = shared_prefix_groups(lone, max_members=8, min_prefix=64)  # two singletons under one node with no rows of its own
     assert shared.members == ((0, 1),) and shared.prefix_lens == (100,)
 
 
 def test_large_groups_are_cut_and_a_last_single_row_is_dropped():
     cache = _cache()
     reqs = [_running(cache, _req(f"s{i}", list(range(10, 90)))) for i in range(7)]
-    shared = shared_prefix_groups(reqs, max_members=3)
+    shared = shared_prefix_groups(reqs, max_members=3, min_prefix=64)
     assert shared.members == ((0, 1, 2), (3, 4, 5)) and shared.prefix_lens == (80, 80)
-    assert shared_prefix_groups(reqs[:1], max_members=8) is None  # one request shares with nobody
+    assert shared_prefix_groups(reqs[:1], max_members=8, min_prefix=64) is None  # one request shares with nobody
+
+
+def test_groups_come_only_with_long_prefixes_that_save_a_large_share_of_the_reads():
+    """By default a prefix must be 256 tokens (vLLM's threshold) and the groups must save 20% of the step's KV
+    reads: the measured points where cascade decode stops paying (tools/bench_cascade.py)."""
+    cache = _cache()
+    reqs = [_running(cache, _req(f"s{i}", list(range(10, 110)))) for i in range(4)]  # 100 shared tokens
+    assert shared_prefix_groups(reqs, max_members=8) is None
+    cache = _cache()
+    reqs = [_running(cache, _req(f"l{i}", list(range(10, 310)))) for i in range(2)]  # 300 shared tokens
+    assert shared_prefix_groups(reqs, max_members=8).prefix_lens == (300,)  # saves 300 of 602 reads
+    reqs.append(_running(cache, _req("own", list(range(400, 500)) * 3)))  # 300 tokens of its own
+    assert shared_prefix_groups(reqs, max_members=8).members == ((0, 1),)  # 300 of 903
+    assert shared_prefix_groups(reqs, max_members=8, min_saved=0.34) is None
 
 
 def test_pack_lays_out_each_rows_prefix_then_the_padded_group_table():

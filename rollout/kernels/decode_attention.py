@@ -98,13 +98,13 @@ def _store_partial(mid_o, mid_lse, o_row, lse_row, row_ok, d, d_ok, split, acc, 
     tl.store(mid_lse + lse_row + split, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["prefix_splits"])
 def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid_lse, qk_scale, v_scale,
                          q_sb, q_sh, k_ss, k_sh, v_ss, v_sh, o_sb, o_sh, m_sb, m_sh, m_ss, l_sb, l_sh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                          NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, counters, FUSED_MERGE: tl.constexpr,
-                         req_prefix, PREFIX_SPLITS: tl.constexpr):
+                         req_prefix, prefix_splits, CASCADE: tl.constexpr):
     pdl_prologue(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -124,7 +124,7 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
     start = tl.load(kv_indptr + b)
     seq_len = tl.load(kv_indptr + b + 1) - start
     skip = 0
-    if PREFIX_SPLITS > 0:  # the group's prefix is stage 0's: this request's own tokens follow it
+    if CASCADE:  # the group's prefix is stage 0's: this request's own tokens follow it
         skip = tl.load(req_prefix + b)
     start += skip
     seq_len -= skip
@@ -134,7 +134,7 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
     acc, l_i, m_i = _attend(qv, k_buf + kv_head * k_sh + d[None, :], v_buf + kv_head * v_sh + d[None, :],
                             kv_indices, start, lo, hi, k_ss, v_ss, d_ok, qk_scale, v_scale,
                             BLOCK_H, BLOCK_D, BLOCK_N, NUM_STAGES)
-    if SPLITS == 1 and PREFIX_SPLITS == 0:
+    if SPLITS == 1 and not CASCADE:
         o = acc / l_i[:, None]
         tl.store(out + b * o_sb + heads[:, None] * o_sh + d[None, :], o.to(out.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
@@ -144,20 +144,20 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
         if FUSED_MERGE:
             _merge_if_last(mid_o, mid_lse, out, counters + b * tl.num_programs(1) + kv_head, b, heads, row_ok, d,
                            d_ok, m_sb, m_sh, m_ss, l_sb, l_sh, o_sb, o_sh, BLOCK_H, BLOCK_D, SPLITS,
-                           SPLITS + PREFIX_SPLITS, skip)
+                           prefix_splits if CASCADE else 0, skip)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits", "prefix_splits"])
 def _shared_prefix_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, groups, mid_o, mid_lse, qk_scale, v_scale,
-                          q_sb, q_sh, k_ss, k_sh, v_ss, v_sh, m_sb, m_sh, m_ss, l_sb, l_sh, g_s,
-                          GROUP: tl.constexpr, MEMBERS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          q_sb, q_sh, k_ss, k_sh, v_ss, v_sh, m_sb, m_sh, m_ss, l_sb, l_sh, g_s, splits,
+                          prefix_splits, GROUP: tl.constexpr, MEMBERS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                          SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                          NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     """Stage 0: one group's prefix (``groups[g]`` = prefix length, then MEMBERS batch rows, -1 for none; a
-    length of 0 marks an unused group) for one KV head and one of PREFIX_SPLITS slices, the queries of every
-    member in one tile (row r: member r // GROUP, head kv_head * GROUP + r % GROUP). The prefix's slots are
-    the first member's first entries in ``kv_indices``. Writes split slot SPLITS + slice of each member."""
+    length of 0 marks an unused group) for one KV head and one of ``prefix_splits`` slices, the queries of
+    every member in one tile (row r: member r // GROUP, head kv_head * GROUP + r % GROUP). The prefix's slots
+    are the first member's first entries in ``kv_indices``. Writes split slot ``splits`` + slice of each
+    member. The split counts are runtime values: one compiled kernel serves every CUDA graph size."""
     pdl_prologue(USE_PDL)
     g = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -178,49 +178,50 @@ def _shared_prefix_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, groups, mid_o,
         qv = tl.load(q + b[:, None] * q_sb + heads[:, None] * q_sh + d[None, :],
                      mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(compute)
         start = tl.load(kv_indptr + tl.load(groups + g * g_s + 1))
-        per_split = tl.cdiv(tl.cdiv(plen, PREFIX_SPLITS), BLOCK_N) * BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(plen, prefix_splits), BLOCK_N) * BLOCK_N
         lo = ps * per_split
         hi = tl.minimum(lo + per_split, plen)
         acc, l_i, m_i = _attend(qv, k_buf + kv_head * k_sh + d[None, :], v_buf + kv_head * v_sh + d[None, :],
                                 kv_indices, start, lo, hi, k_ss, v_ss, d_ok, qk_scale, v_scale,
                                 BLOCK_R, BLOCK_D, BLOCK_N, NUM_STAGES)
         _store_partial(mid_o, mid_lse, b * m_sb + heads * m_sh, b * l_sb + heads * l_sh, row_ok, d, d_ok,
-                       SPLITS + ps, acc, l_i, m_i, m_ss)
+                       splits + ps, acc, l_i, m_i, m_ss)
 
 
 @triton.jit
 def _merge_if_last(mid_o, mid_lse, out, counter, b, heads, row_ok, d, d_ok, m_sb, m_sh, m_ss, l_sb, l_sh, o_sb,
-                   o_sh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, TOTAL: tl.constexpr,
+                   o_sh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, prefix_splits,
                    prefix_len):
     """Count this split of (request, KV head) as done; the last of the SPLITS merges the pair's partials (the
     same arithmetic as ``_merge_splits_kernel``) into ``out`` and resets the count for the next launch: its
-    SPLITS, and when ``prefix_len`` > 0 the TOTAL - SPLITS after them that stage 0 wrote (an earlier launch).
+    SPLITS, and when ``prefix_len`` > 0 the ``prefix_splits`` after them that stage 0 wrote (an earlier
+    launch).
     The barrier makes every thread's partial stores precede the release of the count; the acquiring side
     reads the partials past L1 (``.cg``)."""
     tl.debug_barrier()
     done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if done == SPLITS - 1:
+        lse_row = mid_lse + b * l_sb + heads * l_sh
         lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for sp in tl.static_range(TOTAL):
-            ok = row_ok
-            if sp >= SPLITS:
-                ok = row_ok & (heads * 0 + prefix_len > 0)
-            lse_sp = tl.load(mid_lse + b * l_sb + heads * l_sh + sp, mask=ok, other=float("-inf"),
-                             cache_modifier=".cg")
-            lse_max = tl.maximum(lse_max, lse_sp)
+        for sp in tl.static_range(SPLITS):
+            lse_max = tl.maximum(lse_max, tl.load(lse_row + sp, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+        with_prefix = row_ok & (heads * 0 + prefix_len > 0)
+        for sp in tl.range(SPLITS, SPLITS + prefix_splits):
+            lse_max = tl.maximum(lse_max, tl.load(lse_row + sp, mask=with_prefix, other=float("-inf"),
+                                                  cache_modifier=".cg"))
         lse_max = tl.where(row_ok, lse_max, 0.0)
         w_sum = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for sp in tl.static_range(TOTAL):
-            ok = row_ok
-            if sp >= SPLITS:
-                ok = row_ok & (heads * 0 + prefix_len > 0)
-            lse_sp = tl.load(mid_lse + b * l_sb + heads * l_sh + sp, mask=ok, other=float("-inf"),
-                             cache_modifier=".cg")
-            w = tl.exp2(lse_sp - lse_max)
-            o_sp = tl.load(mid_o + b * m_sb + heads[:, None] * m_sh + sp * m_ss + d[None, :],
-                           mask=ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-            acc += o_sp * w[:, None]
+        o_row = mid_o + b * m_sb + heads[:, None] * m_sh + d[None, :]
+        mask = row_ok[:, None] & d_ok[None, :]
+        for sp in tl.static_range(SPLITS):
+            w = tl.exp2(tl.load(lse_row + sp, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - lse_max)
+            acc += tl.load(o_row + sp * m_ss, mask=mask, other=0.0, cache_modifier=".cg") * w[:, None]
+            w_sum += w
+        for sp in tl.range(SPLITS, SPLITS + prefix_splits):
+            w = tl.exp2(tl.load(lse_row + sp, mask=with_prefix, other=float("-inf"), cache_modifier=".cg") - lse_max)
+            acc += tl.load(o_row + sp * m_ss, mask=with_prefix[:, None] & d_ok[None, :], other=0.0,
+                           cache_modifier=".cg") * w[:, None]
             w_sum += w
         merged = acc / tl.where(row_ok, w_sum, 1.0)[:, None]
         tl.store(out + b * o_sb + heads[:, None] * o_sh + d[None, :], merged.to(out.dtype.element_ty),
@@ -331,10 +332,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         _shared_prefix_kernel[(groups.shape[0], hk, prefix_splits)](
             q, k_buffer, v_buffer, kv_indptr, kv_indices, groups, mid_o, mid_lse, sm_scale * _LOG2E, 1.0,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
-            v_buffer.stride(1), *mid_strides, groups.stride(0),
+            v_buffer.stride(1), *mid_strides, groups.stride(0), num_splits, prefix_splits,
             GROUP=group, MEMBERS=members, HEAD_DIM=d, BLOCK_R=max(16, triton.next_power_of_2(members * group)),
-            BLOCK_D=block_d, BLOCK_N=launch.block_n, SPLITS=num_splits, PREFIX_SPLITS=prefix_splits,
-            NUM_STAGES=launch.num_stages, num_warps=4, **pdl)
+            BLOCK_D=block_d, BLOCK_N=launch.block_n, NUM_STAGES=launch.num_stages, num_warps=4, **pdl)
     _decode_split_kernel[(b, hk, num_splits)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, out, mid_o, mid_lse, sm_scale * _LOG2E, 1.0,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
@@ -342,7 +342,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=launch.block_n, SPLITS=num_splits, NUM_STAGES=launch.num_stages,
         counters=counters if fused else out, FUSED_MERGE=fused,
-        req_prefix=out if shared_prefix is None else shared_prefix.req_prefix, PREFIX_SPLITS=prefix_splits,
+        req_prefix=out if shared_prefix is None else shared_prefix.req_prefix, prefix_splits=prefix_splits,
+        CASCADE=shared_prefix is not None,
         num_warps=launch.num_warps, **pdl)
     if num_splits > 1 and not fused:
         _merge_splits_kernel[(b, hq)](

@@ -4,12 +4,16 @@ Inputs live in static buffers; a replay has the attention backend fill them from
 rows write their KV to the scratch slot 0 and read one cached token) and re-plan attention for that size
 (``AttentionBackend.prepare_graph_replay``: with Triton or XQA decode both in one kernel launch), and
 replays. With ``shared_prefix`` and a backend that takes ``shared_prefixes`` groups, each size of at least 2
-also has a cascade variant, replayed for steps whose batch has groups. Weights are never rebound (updates copy in place), so graphs stay valid across updates.
+also gets a cascade variant, replayed for steps whose batch has groups. A variant is captured when the first
+such step of its size comes (as a GRPO rollout starts), so an engine that never sees shared prefixes spends no
+startup time on them: the static inputs are first reset to padding (the warm-up forwards write K/V to the
+scratch slot 0 only), and the warm-up waits on the device for the step in flight, once per size. Weights are never rebound (updates copy in place), so graphs stay valid across updates.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,28 +70,47 @@ class CudaGraphRunner:
             req_to_token=self.runner.req_to_token.table, attn_backend=self.backend, shared_prefixes=shared)
 
     def capture(self) -> None:
-        stream = torch.cuda.Stream(self.runner.device)
+        self.stream = torch.cuda.Stream(self.runner.device)
         for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory
             self.states[bs] = self.backend.graph_state(bs)
-            for cascade in (False, True) if self.shared_prefix and bs >= 2 else (False,):
-                self._capture(bs, cascade, stream)
+            self._capture(bs, False)
         torch.cuda.synchronize(self.runner.device)
-        logger.info("captured CUDA graphs for decode batch sizes %s%s", self.batch_sizes,
-                    " (and their cascade variants)" if self.shared_prefix else "")
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
 
-    def _capture(self, bs: int, cascade: bool, stream: torch.cuda.Stream) -> None:
+    def _capture(self, bs: int, cascade: bool) -> None:
         batch = self._batch(bs, [1] * bs, SharedPrefixes((), ()) if cascade else None)
         self.backend.init_graph_metadata(batch, self.states[bs])
-        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        stream, current = self.stream, torch.cuda.current_stream(self.runner.device)
+        stream.wait_stream(current)
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up outside the graph (allocations, lazy inits)
                 self.runner.model(batch)
-        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+        current.wait_stream(stream)
+        # capture_begin / capture_end rather than torch.cuda.graph, which also synchronizes the device, runs the
+        # garbage collector and empties the allocator's cache: a lazy capture mid-run needs none of them
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            out = self.runner.model(batch)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(*(() if self.pool is None else (self.pool,)), capture_error_mode="thread_local")
+            try:
+                out = self.runner.model(batch)
+            finally:
+                graph.capture_end()
         self.pool = graph.pool()
         self.graphs[bs, cascade], self.outputs[bs, cascade] = graph, out
+
+    def _capture_cascade(self, bs: int) -> None:
+        """The cascade variant of size ``bs``, from static inputs reset to padding rows (see the module doc)."""
+        start = time.perf_counter()
+        self.input_ids[:bs].zero_()
+        self.positions[:bs].zero_()
+        self.out_cache_loc[:bs].zero_()
+        self.rows[:bs].zero_()
+        self.seq_lens[:bs].fill_(1)
+        self.states[bs].prefix.zero_()  # no groups: stage 0 of the warm-up forwards reads nothing
+        with self.runner.memory.region("cuda_graph"):
+            self._capture(bs, True)
+        logger.info("captured the cascade decode CUDA graph for batch size %d in %.0f ms", bs,
+                    1e3 * (time.perf_counter() - start))
 
     def replay(self, step: "StepInput", packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab] for a decode step of B <= max batch size; ``packed`` is ``step.decode_pack()``
@@ -96,7 +119,9 @@ class CudaGraphRunner:
         the static buffers and a plan (``AttentionBackend.prepare_graph_replay``). Nothing waits for the GPU."""
         b = len(step.rows)
         bs = self._padded(b)
-        shared = step.shared_prefixes if (bs, True) in self.graphs else None
+        shared = step.shared_prefixes if self.shared_prefix and bs >= 2 else None
+        if shared is not None and (bs, True) not in self.graphs:
+            self._capture_cascade(bs)
         batch = self._batch(bs, list(step.seq_lens) + [1] * (bs - b), shared)
         self.backend.prepare_graph_replay(batch, self.states[bs], packed, last_token_ids)
         key = (bs, shared is not None)

@@ -6,6 +6,13 @@ computed the prompt ends at the node of its last token, the N - 1 that reused it
 all but their last prompt token), so a request alone at its node joins the group of its node's parent, over
 the parent's shorter prefix. Only prefixes of at least ``min_prefix`` tokens are grouped; groups larger than
 ``max_members`` are cut into groups of that size (a last group of one is dropped).
+
+Cascade decode costs a second launch and a merge per layer, and the L2 cache already serves much of a
+prefix that several requests read at once, so it only pays when it saves a large share of the step's KV
+reads (one H200, ``tools/bench_cascade.py``, Qwen3-0.6B heads, 256 requests in groups of 8: 1.11-1.98x with
+prefixes of 256-2,000 tokens and 44-63% of the reads saved, 1.07x at 22%, 0.95x at 18%; 0.83-0.92x with
+prefixes of 64-128 tokens). A step gets its groups when their prefixes are at least ``min_prefix`` (256, as
+vLLM's cascade attention) and the reads they save are at least ``min_saved`` (20%) of the step's.
 """
 
 from __future__ import annotations
@@ -13,14 +20,16 @@ from __future__ import annotations
 from rollout.model_executor.forward_batch import SharedPrefixes
 from rollout.scheduler.req import Req
 
-MIN_SHARED_PREFIX = 64  # tokens: a shorter shared prefix is not worth a group
+MIN_SHARED_PREFIX = 256  # tokens: a shorter shared prefix is not worth a group
+MIN_SAVED_SHARE = 0.2  # of the step's KV tokens: cascade decode runs when its groups save at least this many reads
 
 
-def shared_prefix_groups(reqs: list[Req], max_members: int, min_prefix: int = MIN_SHARED_PREFIX
-                         ) -> SharedPrefixes | None:
+def shared_prefix_groups(reqs: list[Req], max_members: int, min_prefix: int = MIN_SHARED_PREFIX,
+                         min_saved: float = MIN_SAVED_SHARE) -> SharedPrefixes | None:
     """The groups of ``reqs`` (by index) that share at least ``min_prefix`` cached tokens; None when there are
-    none (or ``max_members`` < 2). Every member's KV is longer than its group's prefix (its prefix is cached,
-    its newest token is not)."""
+    none, when they save less than ``min_saved`` of the step's KV reads (each group reads its prefix once
+    instead of once per member), or when ``max_members`` < 2. Every member's KV is longer than its group's
+    prefix (its prefix is cached, its newest token is not)."""
     if max_members < 2:
         return None
     by_node: dict[int, tuple[object, int, list[int]]] = {}  # id(node) -> (node, its path length, rows)
@@ -41,4 +50,7 @@ def shared_prefix_groups(reqs: list[Req], max_members: int, min_prefix: int = MI
             if len(chunk) > 1:
                 lens.append(length)
                 members.append(tuple(chunk))
-    return SharedPrefixes(tuple(lens), tuple(members)) if members else None
+    saved = sum((len(m) - 1) * n for n, m in zip(lens, members))
+    if not members or saved < min_saved * sum(r.kv_len + 1 for r in reqs):
+        return None
+    return SharedPrefixes(tuple(lens), tuple(members))
