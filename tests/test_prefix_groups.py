@@ -72,7 +72,8 @@ def test_a_request_alone_below_a_group_node_joins_it_over_the_shorter_prefix():
     assert shared.members == ((0, 1, 2),) and shared.prefix_lens == (100,)
     assert _same_slots(cache, reqs, 100)
     lone = [_running(cache, _req("y", a + [1, 2])), _running(cache, _req("z", a + [3, 4]))]
-    shared = shared_prefix_groups(lone, max_members=8, min_prefix=64)  # two singletons under one node with no rows of its own
+    # two singletons under one node that holds no row of its own
+    shared = shared_prefix_groups(lone, max_members=8, min_prefix=64)
     assert shared.members == ((0, 1),) and shared.prefix_lens == (100,)
 
 

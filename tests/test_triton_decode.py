@@ -193,7 +193,8 @@ def test_shared_prefix_needs_counters_and_int32_tables():
     q, k_buf, v_buf, indptr, indices, groups, req_prefix = shared_prefix_case(torch.bfloat16, 8, 2, 64, seed=1)
     counters = torch.zeros(q.shape[0] * 2, dtype=torch.int32, device=q.device)
     with pytest.raises(ValueError, match="pass counters"):
-        decode_attention(q, k_buf, v_buf, indptr, indices, 0.1, 1, shared_prefix=SharedPrefixArgs(groups, req_prefix, 1))
+        decode_attention(q, k_buf, v_buf, indptr, indices, 0.1, 1,
+                         shared_prefix=SharedPrefixArgs(groups, req_prefix, 1))
     for bad in (SharedPrefixArgs(groups.long(), req_prefix, 1), SharedPrefixArgs(groups, req_prefix[:3], 1),
                 SharedPrefixArgs(groups, req_prefix, 3)):
         with pytest.raises(ValueError, match="shared_prefix"):

@@ -7,7 +7,8 @@ replays. With ``shared_prefix`` and a backend that takes ``shared_prefixes`` gro
 also gets a cascade variant, replayed for steps whose batch has groups. A variant is captured when the first
 such step of its size comes (as a GRPO rollout starts), so an engine that never sees shared prefixes spends no
 startup time on them: the static inputs are first reset to padding (the warm-up forwards write K/V to the
-scratch slot 0 only), and the warm-up waits on the device for the step in flight, once per size. Weights are never rebound (updates copy in place), so graphs stay valid across updates.
+scratch slot 0 only), and the warm-up waits on the device for the step in flight, once per size.
+Weights are never rebound (updates copy in place), so graphs stay valid across updates.
 """
 
 from __future__ import annotations
