@@ -109,3 +109,48 @@ def test_pack_lays_out_each_rows_prefix_then_the_padded_group_table():
         shared.pack(batch_size=6, max_groups=1, max_members=4)
     with pytest.raises(ValueError, match="do not fit"):
         shared.pack(batch_size=6, max_groups=3, max_members=2)
+
+
+def test_a_scheduler_with_cascade_decode_groups_the_samples_of_a_prompt_in_its_decode_steps(tiny_dir, hf_reference):
+    """Through a real scheduler (CPU: its torch backend ignores the groups, so this checks the scheduling side):
+    four samples of a 300-token prompt and one other request. After the samples' prefill every decode step
+    carries one group of the four over the prompt they share in the radix cache, their table rows agree over
+    it, the step stats count the groups, and the outputs are transformers' greedy ones."""
+    from conftest import prompts_of_lengths
+    from rollout.config import EngineConfig, ModelConfig
+    from rollout.distributed import TPGroup
+    from rollout.model_executor.forward_batch import ForwardMode
+    from rollout.scheduler.scheduler import Scheduler
+
+    path = tiny_dir("llama")
+    config = EngineConfig(path, dtype="float32", device="cpu", skip_tokenizer_init=True)
+    sched = Scheduler(config, ModelConfig.from_path(path), TPGroup(), torch.device("cpu"))
+    sched.reply = lambda msg: None
+    sched.decode.shared_prefix_members = 8  # as the Triton decode backend takes them
+    steps = []
+    run_step = sched.runner.run_step
+
+    def record(step, *args, **kwargs):
+        if step.mode == ForwardMode.DECODE:
+            groups = step.shared_prefixes
+            steps.append(groups)
+            if groups is not None:  # checked as the step launches, while the rows are the samples'
+                members = [step.rows[i] for i in groups.members[0]]
+                assert groups.prefix_lens == (300,) and sorted(members) == sorted(r.pool_row for r in reqs)
+                table = sched.cache.req_pool
+                assert all(torch.equal(table.slots(members[0], 300), table.slots(m, 300)) for m in members[1:])
+        return run_step(step, *args, **kwargs)
+
+    sched.runner.run_step = record
+    prompt, other = prompts_of_lengths([300, 20], seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i in range(4):
+        sched.handle(GenerateReq(f"s{i}", prompt, params, 0))
+    sched.handle(GenerateReq("other", other, params, 0))
+    reqs = [sched.outputs.live[f"s{i}"] for i in range(4)]
+    while sched.busy:
+        sched.step()
+    grouped = [s for s in steps if s is not None]
+    assert len(grouped) >= 4 and sched.stats.snapshot(False)["cascade_steps"] == len(grouped)
+    want = hf_reference(path).greedy(prompt, 6)
+    assert all(r.output_ids == want for r in reqs)
