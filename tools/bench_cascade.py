@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rollout.kernels.decode_attention import (SharedPrefixArgs, decode_attention, max_prefix_members,  # noqa: E402
-                                              num_kv_splits)
+from rollout.kernels.decode_attention import (DecodeLaunch, SharedPrefixArgs, decode_attention,  # noqa: E402
+                                              max_prefix_members, num_kv_splits)
 from rollout.model_executor.forward_batch import SharedPrefixes  # noqa: E402
 
 
@@ -79,6 +79,8 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--prefix", default="500")
     p.add_argument("--suffix", default="100,500,1500")
+    p.add_argument("--stage0", default="128;4;3",
+                   help="stage 0 launches to time, 'N;W;S' (tokens per tile; warps; stages), comma-separated")
     p.add_argument("--spread", action="store_true",
                    help="a group's members far apart in the batch (not scheduled together: no L2 reuse between them)")
     args = p.parse_args()
@@ -87,6 +89,7 @@ def main() -> None:
     d = 128
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     members = max_prefix_members(hq // hk)
+    launches = [DecodeLaunch(*map(int, x.split(";"))) for x in args.stage0.split(",")]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; heads {hq}/{hk}, dim {d}, bf16 KV; groups of "
           f"{args.group}, members {'far apart' if args.spread else 'next to each other'} in the batch")
     print(f"{'batch':>5} {'prefix':>6} {'suffix':>6} | {'plain ms':>8} {'GB':>6} | {'cascade ms':>10} {'GB':>6} | "
@@ -100,25 +103,30 @@ def main() -> None:
                 counters = torch.zeros(batch * hk, dtype=torch.int32, device=dev)
                 max_groups = batch // 2
                 table = shared.pack(batch, max_groups, members).to(dev)
-                args_ = SharedPrefixArgs(table[batch:].view(max_groups, 1 + members), table[:batch],
-                                         num_kv_splits(max(1, batch // 8), hk, sms))
+                prefix_splits = num_kv_splits(max(1, batch // 8), hk, sms)
                 out_p = torch.empty_like(q)
                 out_c = torch.empty_like(q)
 
                 def plain():
                     decode_attention(q, k, v, indptr, indices, d ** -0.5, splits, out=out_p, counters=counters)
 
-                def cascade():
-                    decode_attention(q, k, v, indptr, indices, d ** -0.5, splits, out=out_c, counters=counters,
-                                     shared_prefix=args_)
-
-                tp, tc = graph_ms(plain), graph_ms(cascade)
+                tp = graph_ms(plain)
                 per_token = 2 * hk * d * 2
                 gb_p = batch * (prefix + suffix) * per_token / 1e9
                 gb_c = (batch // args.group * prefix + batch * suffix) * per_token / 1e9
-                diff = (out_p.float() - out_c.float()).abs().max().item()
-                print(f"{batch:>5} {prefix:>6} {suffix:>6} | {tp:>8.4f} {gb_p:>6.3f} | {tc:>10.4f} {gb_c:>6.3f} | "
-                      f"{tp / tc:>6.2f}x {diff:>8.1e}", flush=True)
+                for launch in launches:
+                    stage0 = SharedPrefixArgs(table[batch:].view(max_groups, 1 + members), table[:batch],
+                                              prefix_splits, launch)
+
+                    def cascade():
+                        decode_attention(q, k, v, indptr, indices, d ** -0.5, splits, out=out_c, counters=counters,
+                                         shared_prefix=stage0)
+
+                    tc = graph_ms(cascade)
+                    diff = (out_p.float() - out_c.float()).abs().max().item()
+                    tag = f"{launch.block_n};{launch.num_warps};{launch.num_stages}"
+                    print(f"{batch:>5} {prefix:>6} {suffix:>6} | {tp:>8.4f} {gb_p:>6.3f} | {tc:>10.4f} {gb_c:>6.3f} | "
+                          f"{tp / tc:>6.2f}x {diff:>8.1e}  stage 0 {tag}", flush=True)
 
 
 if __name__ == "__main__":

@@ -269,6 +269,9 @@ class SharedPrefixArgs:
     groups: torch.Tensor
     req_prefix: torch.Tensor
     splits: int
+    # stage 0's tile, warps and stages: the fastest or within 3% of it at every shape of
+    # ``tools/bench_cascade.py --stage0`` on an H200 (docs/results/2026-11-26-h200-cascade-decode.txt)
+    launch: DecodeLaunch = DecodeLaunch(128, 4, 3)
 
     @property
     def max_members(self) -> int:
@@ -334,7 +337,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
             v_buffer.stride(1), *mid_strides, groups.stride(0), num_splits, prefix_splits,
             GROUP=group, MEMBERS=members, HEAD_DIM=d, BLOCK_R=max(16, triton.next_power_of_2(members * group)),
-            BLOCK_D=block_d, BLOCK_N=launch.block_n, NUM_STAGES=launch.num_stages, num_warps=4, **pdl)
+            BLOCK_D=block_d, BLOCK_N=shared_prefix.launch.block_n, NUM_STAGES=shared_prefix.launch.num_stages,
+            num_warps=shared_prefix.launch.num_warps, **pdl)
     _decode_split_kernel[(b, hk, num_splits)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, out, mid_o, mid_lse, sm_scale * _LOG2E, 1.0,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
