@@ -12,7 +12,7 @@ from rollout.model_executor.forward_batch import SharedPrefixes
 from rollout.sampling_params import SamplingParams
 from rollout.io_struct import GenerateReq
 from rollout.scheduler.cache import KVCacheManager
-from rollout.scheduler.prefix_groups import shared_prefix_groups
+from rollout.scheduler.prefix_groups import SharedPrefixFinder, shared_prefix_groups
 from rollout.scheduler.req import Req
 
 
@@ -99,6 +99,22 @@ def test_groups_come_only_with_long_prefixes_that_save_a_large_share_of_the_read
     assert shared_prefix_groups(reqs, max_members=8, min_saved=0.34) is None
 
 
+def test_the_finder_skips_the_search_between_extend_steps_once_it_found_no_group():
+    """Groups form only when requests are admitted: after a search without any, the finder answers None at
+    once until the extend count moves (the scheduler passes its prefill token count); while groups exist it
+    searches every step (members leave, indices shift)."""
+    cache = _cache()
+    alone = [_running(cache, _req("x", list(range(1000, 1300))))]
+    samples = [_running(cache, _req(f"s{i}", list(range(10, 310)))) for i in range(2)]
+    finder = SharedPrefixFinder(8)
+    assert finder(alone, extend_count=5) is None
+    assert finder(alone + samples, extend_count=5) is None  # skipped: no extend step since the empty search
+    assert finder(alone + samples, extend_count=6).members == ((1, 2),)
+    assert finder(samples, extend_count=6).members == ((0, 1),)  # groups existed: searched again
+    assert finder(samples[:1], extend_count=6) is None and finder(samples, extend_count=6) is None
+    assert SharedPrefixFinder(0)(samples, extend_count=7) is None  # cascade decode off
+
+
 def test_pack_lays_out_each_rows_prefix_then_the_padded_group_table():
     shared = SharedPrefixes((99, 79), ((1, 3, 0), (5, 4)))
     out = shared.pack(batch_size=6, max_groups=3, max_members=4)
@@ -126,7 +142,7 @@ def test_a_scheduler_with_cascade_decode_groups_the_samples_of_a_prompt_in_its_d
     config = EngineConfig(path, dtype="float32", device="cpu", skip_tokenizer_init=True)
     sched = Scheduler(config, ModelConfig.from_path(path), TPGroup(), torch.device("cpu"))
     sched.reply = lambda msg: None
-    sched.decode.shared_prefix_members = 8  # as the Triton decode backend takes them
+    sched.decode.prefixes = SharedPrefixFinder(8)  # as the Triton decode backend takes them
     steps = []
     run_step = sched.runner.run_step
 

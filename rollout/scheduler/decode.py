@@ -20,7 +20,7 @@ from rollout.model_executor.model_runner import StepInput
 from rollout.scheduler.admission import RETRACT_DECODE_STEPS, NewTokenRatio
 from rollout.scheduler.cache import KVCacheManager
 from rollout.scheduler.output import OutputManager
-from rollout.scheduler.prefix_groups import shared_prefix_groups
+from rollout.scheduler.prefix_groups import SharedPrefixFinder
 from rollout.scheduler.req import Req
 from rollout.scheduler.stats import SchedulerStats
 
@@ -34,7 +34,7 @@ class DecodeManager:
         self.outputs = outputs
         self.stats = stats
         self.ratio = ratio
-        self.shared_prefix_members = shared_prefix_members  # cascade decode's group size (0: off)
+        self.prefixes = SharedPrefixFinder(shared_prefix_members)  # cascade decode's groups (0 members: off)
 
     @staticmethod
     def candidates(running: list[Req]) -> list[Req]:
@@ -83,6 +83,6 @@ class DecodeManager:
         when cascade decode is on."""
         slots = self.cache.alloc_decode(reqs)
         positions = [r.kv_len for r in reqs]
-        shared = shared_prefix_groups(reqs, self.shared_prefix_members) if self.shared_prefix_members else None
+        shared = self.prefixes(reqs, self.stats.prefill_tokens)  # prefill_tokens moves with every extend step
         return StepInput(ForwardMode.DECODE, [r.pool_row for r in reqs], None, positions, slots,
                          [p + 1 for p in positions], [1] * len(reqs), shared_prefixes=shared)

@@ -13,6 +13,10 @@ reads (one H200, ``tools/bench_cascade.py``, Qwen3-0.6B heads, 256 requests in g
 prefixes of 256-2,000 tokens and 44-63% of the reads saved, 1.07x at 22%, 0.95x at 18%; 0.83-0.92x with
 prefixes of 64-128 tokens). A step gets its groups when their prefixes are at least ``min_prefix`` (256, as
 vLLM's cascade attention) and the reads they save are at least ``min_saved`` (20%) of the step's.
+
+The search walks every running request (tens of microseconds at 256), so ``SharedPrefixFinder`` skips it
+between extend steps once it found no group: groups only form when requests are admitted (or their prefill
+is read), and requests that leave or decode cannot make one.
 """
 
 from __future__ import annotations
@@ -24,14 +28,46 @@ MIN_SHARED_PREFIX = 256  # tokens: a shorter shared prefix is not worth a group
 MIN_SAVED_SHARE = 0.2  # of the step's KV tokens: cascade decode runs when its groups save at least this many reads
 
 
+class SharedPrefixFinder:
+    """``shared_prefix_groups`` for each decode step, the search skipped while it cannot find a group: after a
+    search found none, until the next extend step (``extend_count``, any count that changes with every
+    extend step read, moves). ``max_members`` < 2: cascade decode is off, never a group."""
+
+    def __init__(self, max_members: int) -> None:
+        self.max_members = max_members
+        self._extends_seen: int | None = None
+        self._none_possible = False
+
+    def __call__(self, reqs: list[Req], extend_count: int) -> SharedPrefixes | None:
+        if self.max_members < 2 or (self._none_possible and extend_count == self._extends_seen):
+            return None
+        groups = find_shared_prefixes(reqs, self.max_members)
+        self._extends_seen, self._none_possible = extend_count, not groups.members
+        return groups if worth_cascade(groups, reqs) else None
+
+
 def shared_prefix_groups(reqs: list[Req], max_members: int, min_prefix: int = MIN_SHARED_PREFIX,
                          min_saved: float = MIN_SAVED_SHARE) -> SharedPrefixes | None:
     """The groups of ``reqs`` (by index) that share at least ``min_prefix`` cached tokens; None when there are
-    none, when they save less than ``min_saved`` of the step's KV reads (each group reads its prefix once
-    instead of once per member), or when ``max_members`` < 2. Every member's KV is longer than its group's
-    prefix (its prefix is cached, its newest token is not)."""
+    none, when they save less than ``min_saved`` of the step's KV reads (``worth_cascade``), or when
+    ``max_members`` < 2. Every member's KV is longer than its group's prefix (its prefix is cached, its newest
+    token is not)."""
     if max_members < 2:
         return None
+    groups = find_shared_prefixes(reqs, max_members, min_prefix)
+    return groups if worth_cascade(groups, reqs, min_saved) else None
+
+
+def worth_cascade(groups: SharedPrefixes, reqs: list[Req], min_saved: float = MIN_SAVED_SHARE) -> bool:
+    """Whether ``groups`` of ``reqs`` save at least ``min_saved`` of the step's KV reads (each group reads its
+    prefix once instead of once per member)."""
+    saved = sum((len(m) - 1) * n for n, m in zip(groups.prefix_lens, groups.members))
+    return bool(groups.members) and saved >= min_saved * sum(r.kv_len + 1 for r in reqs)
+
+
+def find_shared_prefixes(reqs: list[Req], max_members: int, min_prefix: int = MIN_SHARED_PREFIX) -> SharedPrefixes:
+    """Every group of ``reqs`` (by index, up to ``max_members`` each) over at least ``min_prefix`` shared cached
+    tokens, whatever they save (none: empty)."""
     by_node: dict[int, tuple[object, int, list[int]]] = {}  # id(node) -> (node, its path length, rows)
     for i, req in enumerate(reqs):
         if req.prefix_len >= min_prefix:
@@ -50,7 +86,4 @@ def shared_prefix_groups(reqs: list[Req], max_members: int, min_prefix: int = MI
             if len(chunk) > 1:
                 lens.append(length)
                 members.append(tuple(chunk))
-    saved = sum((len(m) - 1) * n for n, m in zip(lens, members))
-    if not members or saved < min_saved * sum(r.kv_len + 1 for r in reqs):
-        return None
     return SharedPrefixes(tuple(lens), tuple(members))
