@@ -223,14 +223,18 @@ def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str,
 
 
 def warmup_batch(args: argparse.Namespace, vocab: int, seed: int) -> GrpoBatch:
-    """As many requests as the timed batch, in groups of N sharing 80-token prompts, whose output lengths
-    fall by one per ``P * N / steps`` requests (at most 256 steps): the running count sweeps every decode batch
-    size the timed run meets, so each CUDA graph the run replays, cascade variants included (captured at
-    their first use), exists before the clock starts."""
+    """As many requests as the timed batch, in groups of N sharing prompts long enough for cascade decode
+    (``MIN_SHARED_PREFIX`` + 64 tokens), whose output lengths fall by one per ``P * N / steps`` requests (at
+    most 256 steps): the running count sweeps every decode batch size the timed run meets, so each CUDA graph
+    the run replays, cascade variants included (captured at their first use), exists before the clock
+    starts."""
+    from rollout.scheduler.prefix_groups import MIN_SHARED_PREFIX
+
     rng = random.Random(seed)
     total = args.num_prompts * args.n
     steps = min(total, 256)
-    prompts = [p for p in ([rng.randrange(vocab) for _ in range(80)] for _ in range(args.num_prompts))
+    length = MIN_SHARED_PREFIX + 64
+    prompts = [p for p in ([rng.randrange(vocab) for _ in range(length)] for _ in range(args.num_prompts))
                for _ in range(args.n)]
     return GrpoBatch(prompts, [1 + i * steps // total for i in range(total)])
 
