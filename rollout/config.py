@@ -213,8 +213,11 @@ class EngineConfig:
     ``disable_cascade_attn`` (vLLM's name): cascade decode attention is on by default. Running requests whose
     KV starts with the same cached prefix (GRPO's N samples of one prompt, through the radix cache) form
     groups, and the Triton decode kernel reads each group's prefix once for all its members instead of once
-    per member (``rollout.kernels.decode_attention``); CUDA graphs get a cascade variant per batch size.
-    Results are the same attention; other decode backends ignore the groups.
+    per member (``rollout.kernels.decode_attention``), in steps where the groups' prefixes are 256+ tokens
+    and save 20%+ of the KV reads (``rollout.scheduler.prefix_groups``); each CUDA graph size gets a cascade
+    variant, captured the first time a step of that size has groups. Results are the same attention; other
+    decode backends ignore the groups. GRPO rollouts on an H200: 2-4% faster with 200-800-token prompts,
+    12-14% with 1,500-2,500 (docs/rl_rollouts.md).
     """
 
     model_path: str
