@@ -77,3 +77,16 @@ def hf_reference():
 def prompts_of_lengths(lengths: list[int], vocab: int = 500, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def prefill_request(cache, req) -> None:
+    """What the scheduler does for a request on a ``KVCacheManager``: place its cached prefix, take slots for
+    the rest, compute it (``kv_len``), hand it to the tree."""
+    prefix, node = cache.match(req.fill_ids[:req.prefix_match_len()])
+    cache.lock(node)
+    cache.place(req, prefix, node)
+    n = req.seq_len - req.kv_len
+    assert cache.ensure_free(cache.slots_needed(n, req.kv_len))
+    cache.extend(req, n)
+    req.kv_len += n
+    cache.cache_prefix(req)

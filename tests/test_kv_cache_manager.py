@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import prompts_of_lengths
+from conftest import prefill_request as _prefill, prompts_of_lengths
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
 from rollout.io_struct import ContinueGenerationReq, GenerateReq, PauseGenerationReq, UpdateWeightsFromDiskReq
@@ -25,19 +25,6 @@ def _cache(page: int = 1) -> KVCacheManager:
 
 def _req(rid: str, prompt: list[int]) -> Req:
     return Req(GenerateReq(rid, prompt, SamplingParams(max_tokens=4), seed=0), (2,), context_len=128)
-
-
-def _prefill(cache: KVCacheManager, req: Req) -> None:
-    """What the scheduler does for a request: place its cached prefix, take slots for the rest, compute it
-    (``kv_len``), hand it to the tree."""
-    prefix, node = cache.match(req.fill_ids[:req.prefix_match_len()])
-    cache.lock(node)
-    cache.place(req, prefix, node)
-    n = req.seq_len - req.kv_len
-    assert cache.ensure_free(cache.slots_needed(n, req.kv_len))
-    cache.extend(req, n)
-    req.kv_len += n
-    cache.cache_prefix(req)
 
 
 def _locks(cache: KVCacheManager) -> list[int]:

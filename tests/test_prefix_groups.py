@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import prefill_request
+
 from rollout.mem_cache.kv_pool import ReqToTokenPool, SlotAllocator
 from rollout.model_executor.forward_batch import SharedPrefixes
 from rollout.sampling_params import SamplingParams
@@ -25,16 +27,8 @@ def _req(rid: str, prompt: list[int]) -> Req:
 
 
 def _running(cache: KVCacheManager, req: Req) -> Req:
-    """Prefill ``req`` as the scheduler does (cached prefix placed, the rest computed and handed to the tree),
-    then take its first decode slot."""
-    prefix, node = cache.match(req.fill_ids[:req.prefix_match_len()])
-    cache.lock(node)
-    cache.place(req, prefix, node)
-    n = req.seq_len - req.kv_len
-    assert cache.ensure_free(cache.slots_needed(n, req.kv_len))
-    cache.extend(req, n)
-    req.kv_len += n
-    cache.cache_prefix(req)
+    """Prefill ``req`` as the scheduler does (``prefill_request``), then take its first decode slot."""
+    prefill_request(cache, req)
     req.output_ids.append(5)
     cache.alloc_decode([req])
     return req

@@ -97,8 +97,14 @@ def copy_decode_inputs(batch: "ForwardBatch", packed: torch.Tensor, last_token_i
     batch.out_cache_loc[:b].copy_(out_slots)
     batch.seq_lens[:b].copy_(seq_lens)
     if bs > b:
-        batch.input_ids[b:bs].zero_()
-        batch.positions[b:bs].zero_()
-        batch.out_cache_loc[b:bs].zero_()
-        batch.req_pool_indices[b:bs].zero_()
-        batch.seq_lens[b:bs].fill_(1)
+        pad_decode_inputs(batch, b)
+
+
+def pad_decode_inputs(batch: "ForwardBatch", start: int) -> None:
+    """Rows [start, P) of a decode ``batch``'s static inputs as padding: they write their KV to the scratch slot
+    0 (row 0, position 0, token 0) and read one cached token."""
+    batch.input_ids[start:].zero_()
+    batch.positions[start:].zero_()
+    batch.out_cache_loc[start:].zero_()
+    batch.req_pool_indices[start:].zero_()
+    batch.seq_lens[start:].fill_(1)

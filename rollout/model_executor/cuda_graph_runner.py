@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rollout.attention.base import AttentionBackend, pad_decode_inputs
 from rollout.model_executor.forward_batch import ForwardBatch, ForwardMode, SharedPrefixes
 
 if TYPE_CHECKING:
-    from rollout.attention.base import AttentionBackend
     from rollout.model_executor.model_runner import ModelRunner, StepInput
 
 logger = logging.getLogger(__name__)
@@ -102,11 +102,7 @@ class CudaGraphRunner:
     def _capture_cascade(self, bs: int) -> None:
         """The cascade variant of size ``bs``, from static inputs reset to padding rows (see the module doc)."""
         start = time.perf_counter()
-        self.input_ids[:bs].zero_()
-        self.positions[:bs].zero_()
-        self.out_cache_loc[:bs].zero_()
-        self.rows[:bs].zero_()
-        self.seq_lens[:bs].fill_(1)
+        pad_decode_inputs(self._batch(bs, [1] * bs), 0)
         self.states[bs].prefix.zero_()  # no groups: stage 0 of the warm-up forwards reads nothing
         with self.runner.memory.region("cuda_graph"):
             self._capture(bs, True)
