@@ -25,30 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rollout.kernels.decode_attention import (DecodeLaunch, SharedPrefixArgs, decode_attention,  # noqa: E402
                                               max_prefix_members, num_kv_splits)
 from rollout.model_executor.forward_batch import SharedPrefixes  # noqa: E402
-
-
-def graph_ms(fn, calls: int = 20, repeats: int = 7) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / calls)
-    return sorted(times)[len(times) // 2]
+from tools.timing import graph_ms  # noqa: E402
 
 
 def case(batch: int, group: int, prefix: int, suffix: int, hq: int, hk: int, d: int, dev: torch.device,

@@ -17,36 +17,19 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from rollout.layers.quantization import (TRITON_GEMM_MAX_TOKENS, fp8_linear, quantize_fp8_rows, quantize_fp8_tokens,
+from rollout.layers.quantization import (fp8_linear, quantize_fp8_rows, quantize_fp8_tokens,
                                          quantize_fp8_tokens_torch, reference_linear)
 from rollout.kernels.fp8_gemm import GemmLaunch, default_launch, fp8_gemm
+from tools.timing import graph_ms
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
           "down_proj": (4096, 14336)}
 TOKENS = (1, 16, 64, 256, 8192)
 
 
-def time_ms(fn, calls: int = 20) -> float:
-    """Mean time of one ``fn`` call, from a CUDA graph of ``calls`` calls replayed (best of 5)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    best = float("inf")
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) / calls)
-    return best
+def time_ms(fn) -> float:
+    """ms per ``fn`` call: a CUDA graph of 20 calls, best of 5 replays."""
+    return graph_ms(fn, calls=20, repeats=5, warmup=3, best=True)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from rollout.kernels.fused_moe import (MoeLaunch, default_moe_launch, fused_moe, moe_align_block_size,
                                        moe_gemm)
+from tools.timing import eager_ms, graph_ms
 
 E, TOP_K, H, I = 128, 8, 2048, 768
 TOKENS = (1, 8, 32, 64, 128, 256, 512, 1024, 4096)
@@ -37,28 +38,8 @@ def time_us(calls: list, graph: bool, runs: int = 20) -> float:
         for fn in calls:
             fn()
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run_all()
-        run_all()
-    torch.cuda.current_stream().wait_stream(stream)
-    if graph:
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            run_all()
-        run_all = cuda_graph.replay
-    for _ in range(3):
-        run_all()
-    times = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run_all()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return statistics.median(times)
+    timer = graph_ms if graph else eager_ms
+    return timer(run_all, calls=1, repeats=runs, warmup=3) * 1e3 / len(calls)
 
 
 def route(t: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

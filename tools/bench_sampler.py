@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.sweep_decode import time_ms  # noqa: E402
+from tools.timing import eager_ms as time_ms  # noqa: E402
 from rollout.attention.common import kv_indices_for  # noqa: E402
 from rollout.kernels.decode_indices import write_kv_indices  # noqa: E402
 from rollout.kernels import sampling as triton_sampling  # noqa: E402

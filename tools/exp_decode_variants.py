@@ -164,7 +164,8 @@ def staircase(args, dev, decode_attention, slot_layout, time_ms) -> None:
 
 def main() -> None:
     from rollout.kernels.decode_attention import decode_attention
-    from sweep_decode import slot_layout, time_ms
+    from tools.sweep_decode import slot_layout
+    from tools.timing import eager_ms as time_ms
 
     p = argparse.ArgumentParser()
     p.add_argument("--variants", default=",".join(VARIANTS))

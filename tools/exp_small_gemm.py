@@ -27,6 +27,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout.kernels.pdl import pdl_enabled  # noqa: E402
+from tools.timing import graph_ms  # noqa: E402
 
 SHAPES = {  # (name, N, K) of each decoder-layer projection
     "qwen3-0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)],
@@ -115,26 +116,9 @@ class SwapAB:
         return f"bn{self.bn} bt{self.max_bt} bk{self.bk} split{self.split} s{self.stages} w{self.warps} pdl{self.pdl}"
 
 
-def graph_us(fn, replays: int = 7) -> float:
+def graph_us(fn) -> float:
     """Median time of one replay of a graph that runs ``fn`` once, in microseconds."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return graph_ms(fn, calls=1, warmup=1) * 1e3
 
 
 def main() -> None:

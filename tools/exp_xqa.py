@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.sweep_decode import time_ms  # noqa: E402
+from tools.timing import eager_ms as time_ms  # noqa: E402
 from rollout.kernels.decode_attention import decode_attention, num_kv_splits  # noqa: E402
 
 

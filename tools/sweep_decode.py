@@ -23,21 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout.kernels.decode_attention import DecodeLaunch, decode_attention, num_kv_splits  # noqa: E402
-
-
-def time_ms(fn, calls: int = 20, repeats: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / calls)
-    return sorted(times)[len(times) // 2]
+from tools.timing import eager_ms  # noqa: E402
 
 
 def slot_layout(kind: str, batch: int, context: int, device: torch.device) -> torch.Tensor:
@@ -62,7 +48,7 @@ def sweep(q, k, v, indptr, indices, ref, settings, label: str, gb: float,
         try:
             out = decode_attention(q, k, v, indptr, indices, d ** -0.5, splits, launch=launch, counters=counters)
             err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            ms = time_ms(lambda: decode_attention(q, k, v, indptr, indices, d ** -0.5, splits, launch=launch,
+            ms = eager_ms(lambda: decode_attention(q, k, v, indptr, indices, d ** -0.5, splits, launch=launch,
                                                   counters=counters))
         except Exception as e:  # noqa: BLE001  (a setting the compiler refuses, e.g. out of shared memory)
             print(f"{label} triton {launch}: failed {type(e).__name__}: {e}"[:300], flush=True)
@@ -99,7 +85,7 @@ def run_case(batch: int, context: int, hq: int, hk: int, d: int, kv_dtype: torch
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
         w.plan(indptr, indices, last, hq, hk, d, 1, q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=d ** -0.5)
         ref = w.run(q, (k.unsqueeze(1), v.unsqueeze(1)))
-        ms = time_ms(lambda: w.run(q, (k.unsqueeze(1), v.unsqueeze(1))))
+        ms = eager_ms(lambda: w.run(q, (k.unsqueeze(1), v.unsqueeze(1))))
         print(f"{label} flashinfer                   {ms:.3f} ms  {gb / ms:.2f} TB/s", flush=True)
         if best is None:
             best = sweep(q, k, v, indptr, indices, ref, settings, label, gb, counters)[1]

@@ -87,6 +87,26 @@ def _attend(qv, k_base, v_base, kv_indices, start, lo, hi, k_ss, v_ss, d_ok, qk_
 
 
 @triton.jit
+def _query_tile(q, offsets, mask, k_buf):
+    """The query rows at ``q + offsets`` in the compute type: float16 for float8 pools (float8 widens to it
+    exactly; a bf16 query rounds to it exactly within float16's range, as FlashInfer's float8 kernels take
+    it) and for queries that are not 16-bit, else q's dtype."""
+    compute = q.dtype.element_ty
+    if q.dtype.element_ty.primitive_bitwidth != 16 or k_buf.dtype.element_ty.primitive_bitwidth == 8:
+        compute = tl.float16
+    return tl.load(q + offsets, mask=mask, other=0.0).to(compute)
+
+
+@triton.jit
+def _slice(length, splits, index, BLOCK_N: tl.constexpr):
+    """Token range [lo, hi) of slice ``index`` of ``splits`` over ``length`` tokens (whole tiles per slice;
+    trailing slices may be empty)."""
+    per_split = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
+    lo = index * per_split
+    return lo, tl.minimum(lo + per_split, length)
+
+
+@triton.jit
 def _store_partial(mid_o, mid_lse, o_row, lse_row, row_ok, d, d_ok, split, acc, l_i, m_i, m_ss):
     """One split's normalized partial output and log-sum-exp (base 2) per row, at ``mid_o + o_row`` and
     ``mid_lse + lse_row`` (each row's request and head offsets); an empty split leaves acc = 0 and lse = m_i =
@@ -114,13 +134,7 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
     row_ok = rows < GROUP
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    # float16 for float8 pools (float8 widens to it exactly; a bf16 query rounds to it exactly within
-    # float16's range, as FlashInfer's float8 kernels take it) and for queries that are not 16-bit
-    compute = q.dtype.element_ty
-    if q.dtype.element_ty.primitive_bitwidth != 16 or k_buf.dtype.element_ty.primitive_bitwidth == 8:
-        compute = tl.float16
-    qv = tl.load(q + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                 other=0.0).to(compute)
+    qv = _query_tile(q, b * q_sb + heads[:, None] * q_sh + d[None, :], row_ok[:, None] & d_ok[None, :], k_buf)
     start = tl.load(kv_indptr + b)
     seq_len = tl.load(kv_indptr + b + 1) - start
     skip = 0
@@ -128,9 +142,7 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
         skip = tl.load(req_prefix + b)
     start += skip
     seq_len -= skip
-    per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, seq_len)
+    lo, hi = _slice(seq_len, SPLITS, split, BLOCK_N)
     acc, l_i, m_i = _attend(qv, k_buf + kv_head * k_sh + d[None, :], v_buf + kv_head * v_sh + d[None, :],
                             kv_indices, start, lo, hi, k_ss, v_ss, d_ok, qk_scale, v_scale,
                             BLOCK_H, BLOCK_D, BLOCK_N, NUM_STAGES)
@@ -172,15 +184,10 @@ def _shared_prefix_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, groups, mid_o,
         heads = kv_head * GROUP + rows % GROUP
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
-        compute = q.dtype.element_ty
-        if q.dtype.element_ty.primitive_bitwidth != 16 or k_buf.dtype.element_ty.primitive_bitwidth == 8:
-            compute = tl.float16
-        qv = tl.load(q + b[:, None] * q_sb + heads[:, None] * q_sh + d[None, :],
-                     mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(compute)
+        qv = _query_tile(q, b[:, None] * q_sb + heads[:, None] * q_sh + d[None, :], row_ok[:, None] & d_ok[None, :],
+                         k_buf)
         start = tl.load(kv_indptr + tl.load(groups + g * g_s + 1))
-        per_split = tl.cdiv(tl.cdiv(plen, prefix_splits), BLOCK_N) * BLOCK_N
-        lo = ps * per_split
-        hi = tl.minimum(lo + per_split, plen)
+        lo, hi = _slice(plen, prefix_splits, ps, BLOCK_N)
         acc, l_i, m_i = _attend(qv, k_buf + kv_head * k_sh + d[None, :], v_buf + kv_head * v_sh + d[None, :],
                                 kv_indices, start, lo, hi, k_ss, v_ss, d_ok, qk_scale, v_scale,
                                 BLOCK_R, BLOCK_D, BLOCK_N, NUM_STAGES)
