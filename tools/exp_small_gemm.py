@@ -121,6 +121,34 @@ def graph_us(fn) -> float:
     return graph_ms(fn, calls=1, warmup=1) * 1e3
 
 
+def tunableop(shapes: str, rows: list[int]) -> None:
+    """F.linear per shape and row count as cuBLAS picks it, then with PyTorch's TunableOp enabled and tuned on
+    that shape (it times the cuBLAS and cuBLASLt candidates and keeps the fastest; tuned eagerly, replayed in
+    the graph), same timing as above."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    for name, n, k in SHAPES[shapes]:
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5 for _ in range(LAYERS)]
+        mb = n * k * 2 / 1e6
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = torch.nn.functional.linear(x, ws[0]).float()
+            base = graph_us(lambda: [torch.nn.functional.linear(x, w) for w in ws]) / LAYERS
+            torch.cuda.tunable.enable(True)
+            torch.cuda.tunable.tuning_enable(True)
+            out = torch.nn.functional.linear(x, ws[0]).float()  # tunes this shape
+            torch.cuda.tunable.tuning_enable(False)
+            tuned = graph_us(lambda: [torch.nn.functional.linear(x, w) for w in ws]) / LAYERS
+            torch.cuda.tunable.enable(False)
+            err = ((out - ref).abs().max() / ref.abs().max()).item()
+            print(f"{name:8s} N{n:<6d} K{k:<6d} M{m:<4d} cublas {base:7.2f} us {mb / base:5.2f} TB/s | tunableop "
+                  f"{tuned:7.2f} us {mb / tuned:5.2f} TB/s err {err:.1e}", flush=True)
+    results = torch.cuda.tunable.get_results()
+    print(f"tunableop picks ({len(results)}):", flush=True)
+    for r in results:
+        print("  ", r, flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="qwen3-0.6b", choices=sorted(SHAPES))
@@ -128,7 +156,12 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer Triton settings")
     p.add_argument("--pdl", default="0,1,2", help="PDL modes: 0 off, 1 on, 2 on with the weight prefetch")
     p.add_argument("--max-bt", default="256", help="most token rows per program (token tiles above), comma list")
+    p.add_argument("--tunableop", action="store_true",
+                   help="time cuBLAS only: its default pick, then the fastest of TunableOp's candidates per shape")
     args = p.parse_args()
+    if args.tunableop:
+        tunableop(args.shapes, [int(r) for r in args.rows.split(",")])
+        return
     dev = torch.device("cuda")
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
