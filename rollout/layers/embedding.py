@@ -46,7 +46,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.rows_local * self.tp.size
+
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [T, vocab] of ``hidden`` [T, H]; ``out`` [T, ``padded_vocab_size``] (contiguous, the weight's
+        dtype) receives the full padded logits without a copy on one rank (a CUDA graph's output buffer)."""
+        if out is not None and self.tp.size == 1:
+            return torch.mm(hidden, self.weight.t(), out=out)[..., : self.vocab_size]
         local = F.linear(hidden, self.weight)
-        full = self.tp.all_gather_last_dim(local)
+        full = self.tp.all_gather_last_dim(local, out)
         return full[..., : self.vocab_size]

@@ -1,5 +1,10 @@
 """CUDA graphs for decode: one graph per padded batch size, captured after the weights load.
 
+Every graph writes its logits into the rows of one shared buffer (``logits``, [max batch size, padded
+vocab]). A graph's own output would stay allocated for its replays, all sizes' at once: 256 KB a row at a
+128k vocabulary, 4.6 GB over the default sizes up to 1,024, which sleep cannot release. The buffer is
+under the ``kv_cache`` memory tag, so sleep releases it with the KV cache.
+
 Inputs live in static buffers; a replay has the attention backend fill them from the real batch (padding
 rows write their KV to the scratch slot 0 and read one cached token) and re-plan attention for that size
 (``AttentionBackend.prepare_graph_replay``: with Triton or XQA decode both in one kernel launch), and
@@ -50,6 +55,9 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.rows = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
+        head = runner.model.lm_head
+        with runner.memory.region("kv_cache"):  # scratch that sleep releases (the graphs' own memory it cannot)
+            self.logits = torch.empty(self.max_bs, head.padded_vocab_size, dtype=head.weight.dtype, device=dev)
         # keyed by (batch size, cascade variant); the backend's graph_state per batch size serves both
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.states: dict[int, Any] = {}
@@ -85,7 +93,7 @@ class CudaGraphRunner:
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up outside the graph (allocations, lazy inits)
-                self.runner.model(batch)
+                self.runner.model(batch, self.logits[:bs])
         current.wait_stream(stream)
         # capture_begin / capture_end rather than torch.cuda.graph, which also synchronizes the device, runs the
         # garbage collector and empties the allocator's cache: a lazy capture mid-run needs none of them
@@ -93,7 +101,7 @@ class CudaGraphRunner:
         with torch.cuda.stream(stream):
             graph.capture_begin(*(() if self.pool is None else (self.pool,)), capture_error_mode="thread_local")
             try:
-                out = self.runner.model(batch)
+                out = self.runner.model(batch, self.logits[:bs])
             finally:
                 graph.capture_end()
         self.pool = graph.pool()

@@ -2,7 +2,8 @@
 ``release_memory_occupation`` / vLLM's ``sleep``): the trainer gets the memory while the engine sleeps.
 
 Tags: ``"weights"`` (every parameter and buffer of the model), ``"kv_cache"`` (the KV pool, the request
-table and the attention backend's buffers), ``"cuda_graph"`` (the decode graphs' memory).
+table, the attention backend's buffers and the decode graphs' shared logits buffer), ``"cuda_graph"`` (the
+decode graphs' memory).
 
 - CUDA (``TorchMemorySaver``, needs the ``torch-memory-saver`` package of the ``gpu`` extra): the tensors of
   a tag are allocated inside ``region(tag)``; ``release`` unmaps their physical memory and ``resume`` maps

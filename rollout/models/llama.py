@@ -154,12 +154,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie_to(self.model.embed_tokens)
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.logits(batch, self.model(batch))
+    def forward(self, batch: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.logits(batch, self.model(batch), out)
 
-    def logits(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [B, vocab] of each request's last token, from the final hidden states [T, H] of ``batch``."""
+    def logits(self, batch: ForwardBatch, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, vocab] of each request's last token, from the final hidden states [T, H] of ``batch``
+        (written into ``out`` [B, padded vocab] if given: ``ParallelLMHead.logits``)."""
         last = batch.last_token_indices()
         if last is not None:
             hidden = hidden.index_select(0, last)
-        return self.lm_head.logits(hidden)
+        return self.lm_head.logits(hidden, out)
