@@ -23,6 +23,32 @@ def _step_report(timing: StepTiming | None, mb: ModelBytes, bandwidth: float) ->
             "weight_bytes_read": mb.bytes_read(timing.batch_size), "experts_read": mb.expected_experts(timing.batch_size)}
 
 
+BATCH_BANDS = (16, 64, 128, 256, 512)  # upper ends of the decode batch-size bands; larger batches form the last
+
+
+def decode_by_batch(decode_stats: dict[Any, dict[str, float]], mb: ModelBytes,
+                    bandwidth: float) -> list[dict[str, Any]]:
+    """The measured decode steps (``Engine.get_step_stats()["decode"]``: per batch size its steps, seconds and
+    KV tokens) summed over batch-size bands: steps, seconds, and the seconds the same steps need at the
+    bandwidth floor. Says which batch sizes hold the run's time above its floor (the tail's small batches,
+    or the full ones). Bands without steps are left out."""
+    bands: list[dict[str, Any]] = []
+    lo = 1
+    for hi in (*BATCH_BANDS, None):
+        steps = seconds = floor_s = 0.0
+        for b, s in decode_stats.items():
+            b = int(b)
+            if b >= lo and (hi is None or b <= hi) and s["steps"]:
+                steps += s["steps"]
+                seconds += s["seconds"]
+                floor_s += s["steps"] * floor_ms(mb, s["kv_tokens"] / s["steps"], bandwidth, b) / 1000.0
+        if steps:
+            bands.append({"batch": [lo, hi], "steps": int(steps), "seconds": seconds, "floor_s": floor_s,
+                          "over_floor": seconds / floor_s if floor_s else None})
+        lo = (hi or 0) + 1
+    return bands
+
+
 def _run_floor(args: argparse.Namespace, work: Workload, engine: EngineRun, mb: ModelBytes,
                bandwidth: float) -> dict[str, Any]:
     """The whole run's decode steps at the bandwidth floor (``run_decode_floor_s``) against the measured
@@ -76,6 +102,7 @@ def build_report(args: argparse.Namespace, model_path: str, device: str, dtype: 
         "memory": {"copy_bandwidth_gb_s": bandwidth / 1e9, **asdict(mb), "kv_cache_tokens": engine.kv_tokens,
                    "kv_cache_gib": engine.kv_tokens * mb.kv_bytes_per_token / 2**30},
         "run_floor": _run_floor(args, work, engine, mb, bandwidth),
+        "decode_by_batch": decode_by_batch(engine.step_stats.get("decode") or {}, mb, bandwidth),
         "decode_steady": _step_report(engine.steady, mb, bandwidth),
         "decode_batch1": _step_report(engine.batch1, mb, bandwidth),
         "prefill": engine.step_stats.get("prefill"),
@@ -122,6 +149,11 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"whole run: {f['decode_s']:.2f} s besides prefill, decode floor {f['decode_floor_s']:.2f} s "
                      f"({f['decode_steps']} steps at the bandwidth floor), {f['decode_over_floor']:.2f}x; with this "
                      f"prefill and every step at the floor: {f['output_tok_s_at_floor']:.0f} output tok/s")
+    bands = r.get("decode_by_batch") or []
+    if bands:
+        lines.append("decode by batch size: " + " | ".join(
+            f"{b['batch'][0]}-{b['batch'][1] or ''}: {b['steps']} steps {b['seconds']:.2f} s"
+            + (f" ({b['over_floor']:.2f}x floor)" if b["over_floor"] else "") for b in bands))
     for key in ("decode_steady", "decode_batch1"):
         s = r[key]
         if s is not None:

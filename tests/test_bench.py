@@ -12,6 +12,7 @@ import pytest
 from benchmarks.bench import main
 from benchmarks.engine_run import steady_step
 from benchmarks.memory_floor import ModelBytes, model_bytes, run_decode_floor_s
+from benchmarks.report import decode_by_batch
 from benchmarks.presets import PRESET_NAMES, preset_config, preset_param_specs, shard_plan, write_preset
 from benchmarks.workload import make_workload
 from rollout.config import ModelConfig
@@ -66,6 +67,8 @@ def test_bench_tiny_fixed_lengths(preset_root, tmp_path, capsys):
     assert floor["decode_over_floor"] == pytest.approx(floor["decode_s"] / floor["decode_floor_s"])
     out = capsys.readouterr().out
     assert "output tok/s" in out and "engine / hf" in out and "step/floor" in out and "decode floor" in out
+    (band,) = report["decode_by_batch"]  # every decode step ran at batch 6; the batch-1 probe's are reset
+    assert band["batch"] == [1, 16] and band["steps"] == 7 and "decode by batch size: 1-16: 7 steps" in out
 
 
 def test_bench_tiny_random_range_greedy(preset_root, tmp_path):
@@ -205,6 +208,19 @@ def test_moe_preset_stores_experts_per_expert_and_dummy_presets_store_no_weights
     config_only = write_preset("tiny-moe", tmp_path, weights=False)
     assert config_only != path and not [n for n in os.listdir(config_only) if n.endswith(".safetensors")]
     assert ModelConfig.from_path(config_only).num_experts == 8
+
+
+def test_decode_by_batch_sums_each_band_against_its_floor():
+    mb = ModelBytes(weight_bytes=500, weight_bytes_read=100, kv_bytes_per_token=10)
+    stats = {1: {"steps": 4, "seconds": 2.0, "kv_tokens": 40},     # floor 100 + 10 x 10 B per step
+             "16": {"steps": 2, "seconds": 1.0, "kv_tokens": 200},  # 100 + 100 x 10; keys may be strings (JSON)
+             300: {"steps": 1, "seconds": 0.5, "kv_tokens": 30}, 700: {"steps": 0, "seconds": 0.0, "kv_tokens": 0}}
+    bands = decode_by_batch(stats, mb, 1000.0)
+    assert [b["batch"] for b in bands] == [[1, 16], [257, 512]]
+    assert bands[0]["steps"] == 6 and bands[0]["seconds"] == pytest.approx(3.0)
+    assert bands[0]["floor_s"] == pytest.approx(4 * 0.2 + 2 * 1.1) and bands[0]["over_floor"] == pytest.approx(1.0)
+    assert bands[1]["floor_s"] == pytest.approx(0.4) and bands[1]["over_floor"] == pytest.approx(1.25)
+    assert decode_by_batch({}, mb, 1000.0) == []
 
 
 def test_steady_step_picks_most_steps():
