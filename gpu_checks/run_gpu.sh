@@ -2,6 +2,8 @@
 # The GPU checks and benchmarks of docs/benchmarks.md, by stage (each stage fits one 10-minute device call).
 # Run in the repository root on the GPU machine after `source .gpu/prelude.sh`; logs and JSON go to $OUT
 # (or ./gpu_out).
+#   bash gpu_checks/run_gpu.sh regress   # after any change to the engine's GPU path or its defaults (one call):
+#                                        # kernels, sleep memory (8B shape), 8B logits, Qwen3-0.6B cascade logits
 #   bash gpu_checks/run_gpu.sh kernels   # Triton kernels, FlashInfer vs torch attention, a small model vs HF
 #   bash gpu_checks/run_gpu.sh qwen      # Qwen3-0.6B shape, nano-vllm protocol
 #   bash gpu_checks/run_gpu.sh qwen-logits  # Qwen3-0.6B shape (q/k norm fused into the rope kernel): logits vs HF
@@ -56,6 +58,13 @@ grpo_rl_steps() {  # the GRPO RL loop, drained and in flight; $1: the push (tens
     --json "$out/$name.json"
 }
 case "${1:?stage}" in
+  regress)  # a default change once broke sleep (graph outputs grew with cuda_graph_max_bs) unseen by CPU CI
+    step kernels 120 python gpu_checks/check_kernels.py
+    step logits-small 120 python gpu_checks/check_logits.py --num-seqs 32
+    step sleep-8b 150 python gpu_checks/check_sleep.py --preset llama-3.1-8b
+    step logits-8b 150 python gpu_checks/check_logits.py --preset llama-3.1-8b --num-seqs 32 --tp-sizes 1
+    step logits-qwen3-0.6b-cascade 120 python gpu_checks/check_logits.py --preset qwen3-0.6b --num-seqs 64 \
+      --samples-per-prompt 8 --new-tokens 48 --prompt-lens 300,700 ;;
   kernels)
     step kernels 240 python gpu_checks/check_kernels.py
     step attention 200 python gpu_checks/check_attention_and_engine.py --part attention
