@@ -11,34 +11,25 @@ raw and processed logprobs, greedy rows): identical tokens expected except at fl
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/ of the checkout
 
-def _time_ms(fn, repeats: int = 50) -> float:
-    """Median time of ``fn`` in ms over CUDA-event timed runs, after warm-up."""
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+from tools.timing import eager_ms, graph_ms  # noqa: E402
+
+
+def _time_ms(fn) -> float:
+    """Median time of ``fn`` in ms over 50 CUDA-event timed calls, after 5 warm-up calls."""
+    return eager_ms(fn, calls=1, repeats=50, warmup=5)
 
 
 def _graph_time_ms(fn, calls: int = 28) -> float:
     """GPU time of one ``fn`` in ms, replayed inside a CUDA graph of ``calls`` back-to-back calls (a decode
-    step's layers; no launch overhead, as the engine's decode graph runs it)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    return _time_ms(g.replay, repeats=20) / calls
+    step's layers; no launch overhead, as the engine's decode graph runs it); median of 20 replays."""
+    return graph_ms(fn, calls=calls, repeats=20, warmup=1)
 
 
 def check_rope() -> None:
