@@ -204,9 +204,7 @@ def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str,
                     outs = run_rollout(engine, batches[0], args.temperature)
                     end = time.perf_counter()
                 after = engine.get_step_stats()
-                decode = after["decode"]  # reset by neither read: the run's share is after less before
-                rows = sum(int(b) * e["steps"] for b, e in decode.items()) - \
-                    sum(int(b) * e["steps"] for b, e in before["decode"].items())
+                rows = _decoded_rows(after) - _decoded_rows(before)  # neither read resets the counts
                 report[name] = {"total": summarize(outs, end - start, load.tail_s(start, end)).to_dict(),
                                 "decode_rows": rows,
                                 **{k: after.get(k, 0) - before.get(k, 0)
@@ -220,6 +218,11 @@ def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str,
             report[name] = {"makespan_s": makespan, "output_tok_s": tokens / makespan, "fingerprint_equal": exact,
                             "steps": [s.to_dict() for s in steps]}
     return report
+
+
+def _decoded_rows(stats: dict[str, Any]) -> int:
+    """Rows decoded so far, from ``Engine.get_step_stats()`` (steps per batch size)."""
+    return sum(int(b) * e["steps"] for b, e in stats["decode"].items())
 
 
 def warmup_batch(args: argparse.Namespace, vocab: int, seed: int) -> GrpoBatch:
