@@ -89,9 +89,9 @@ def test_bf16_query_with_float32_output_dtype_and_more_splits_than_tokens():
 
 
 def test_num_kv_splits_fills_the_device_and_stays_a_power_of_two():
-    assert num_kv_splits(256, 8, 132) == 1 and num_kv_splits(64, 8, 132) == 2 and num_kv_splits(32, 8, 132) == 2
-    assert num_kv_splits(1, 8, 132) == 16 and num_kv_splits(16, 8, 132) == 4
-    # float8 pools: four times the programs per SM (2 splits at 256 requests on 132 SMs)
+    assert num_kv_splits(256, 8, 132) == 1 and num_kv_splits(128, 8, 132) == 2 and num_kv_splits(64, 8, 132) == 2
+    assert num_kv_splits(32, 8, 132) == 4 and num_kv_splits(1, 8, 132) == 16 and num_kv_splits(16, 8, 132) == 8
+    # float8 pools: twice the programs per SM (2 splits at 256 requests on 132 SMs)
     assert num_kv_splits(256, 8, 132, 1) == 2 and num_kv_splits(128, 8, 132, 1) == 2
     assert num_kv_splits(64, 8, 132, 1) == 4 and num_kv_splits(1, 8, 132, 1) == 16
     assert num_kv_splits(300, 8, 132, 1) == 1 and num_kv_splits(1000, 8, 132) == 1
@@ -109,15 +109,17 @@ def test_rejects_bad_shapes_and_splits():
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.bfloat16])
 @pytest.mark.parametrize("splits", [2, 4, 16])
-def test_fused_merge_matches_the_merge_kernel_and_leaves_counters_zero(kv_dtype, splits):
+@pytest.mark.parametrize("heads_first", [False, True], ids=["batch-first", "heads-first"])
+def test_fused_merge_matches_the_merge_kernel_and_leaves_counters_zero(kv_dtype, splits, heads_first):
     seq_lens, hq, hk, d = [1, 5, 64, 65, 130], 8, 2, 64
     q_dtype = torch.float16 if kv_dtype.itemsize == 1 else torch.bfloat16
     q, k_buf, v_buf, indptr, indices = make_case(seq_lens, hq, hk, d, kv_dtype, q_dtype, seed=7)
     scale = d ** -0.5
     counters = torch.zeros(len(seq_lens) * hk + 3, dtype=torch.int32, device=q.device)
     separate = decode_attention(q, k_buf, v_buf, indptr, indices, scale, splits)
+    launch = DecodeLaunch(64, 2, 4, heads_first)  # either launch order counts each (request, KV head) pair
     for _ in range(2):  # the counts are back at 0, so a second launch (a graph replay) merges again
-        fused = decode_attention(q, k_buf, v_buf, indptr, indices, scale, splits, counters=counters)
+        fused = decode_attention(q, k_buf, v_buf, indptr, indices, scale, splits, counters=counters, launch=launch)
         assert counters.eq(0).all()
         torch.testing.assert_close(fused.float(), separate.float(), atol=2e-3, rtol=2e-3)
     want = reference(q, k_buf, v_buf, indptr, indices, scale, compute=q_dtype)

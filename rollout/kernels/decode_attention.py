@@ -41,15 +41,18 @@ class DecodeLaunch:
     """Launch settings of stage 1 (``default_launch`` picks them per pool dtype)."""
 
     block_n: int = 64  # tokens per pipelined tile
-    num_warps: int = 2
-    num_stages: int = 4
+    num_warps: int = 4
+    num_stages: int = 3
+    heads_first: bool = True  # launch order: a request's KV heads next to each other (else its requests)
 
 
 def default_launch(kv_dtype: torch.dtype) -> DecodeLaunch:
-    """The fastest settings of ``tools/sweep_decode.py`` on H200 at 256 requests (engine slot layout,
-    8B and 1B heads; times in docs/benchmarks.md): float8 pools 32 tokens / 1 warp / 6 stages (faster than
-    4 stages), 16-bit pools 64 / 2 / 4 (close to the best there)."""
-    return DecodeLaunch(32, 1, 6) if kv_dtype.itemsize == 1 else DecodeLaunch()
+    """float8 pools: 32 tokens / 1 warp / 6 stages, requests first (the fastest of ``tools/sweep_decode.py``
+    on H200 at 256 requests; docs/benchmarks.md). 16-bit pools: 64 / 4 / 3, a request's KV heads launched next
+    to each other, so the programs reading one token's heads run at once: the fastest or within 2% of it at
+    every batch of ``tools/exp_decode_order.py`` on H200, requests of mixed lengths and equal ones (was
+    64 / 2 / 4 requests first, 6-10% slower at mixed lengths; docs/results/2026-11-26-h200-decode-order.txt)."""
+    return DecodeLaunch(32, 1, 6, heads_first=False) if kv_dtype.itemsize == 1 else DecodeLaunch()
 
 
 @triton.jit
@@ -124,10 +127,16 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                          NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, counters, FUSED_MERGE: tl.constexpr,
-                         req_prefix, prefix_splits, CASCADE: tl.constexpr):
+                         req_prefix, prefix_splits, CASCADE: tl.constexpr, HEADS_FIRST: tl.constexpr):
     pdl_prologue(USE_PDL)
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:  # grid (kv_heads, batch, splits)
+        kv_head = tl.program_id(0)
+        b = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:  # grid (batch, kv_heads, splits)
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     rows = tl.arange(0, BLOCK_H)  # q heads of this KV head (GROUP of them, padded to the MMA height)
     heads = kv_head * GROUP + rows
@@ -154,7 +163,7 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
         _store_partial(mid_o, mid_lse, b * m_sb + heads * m_sh, b * l_sb + heads * l_sh, row_ok, d, d_ok, split,
                        acc, l_i, m_i, m_ss)
         if FUSED_MERGE:
-            _merge_if_last(mid_o, mid_lse, out, counters + b * tl.num_programs(1) + kv_head, b, heads, row_ok, d,
+            _merge_if_last(mid_o, mid_lse, out, counters + b * num_kv_heads + kv_head, b, heads, row_ok, d,
                            d_ok, m_sb, m_sh, m_ss, l_sb, l_sh, o_sb, o_sh, BLOCK_H, BLOCK_D, SPLITS,
                            prefix_splits if CASCADE else 0, skip)
 
@@ -255,11 +264,12 @@ def _merge_splits_kernel(mid_o, mid_lse, out, m_sb, m_sh, m_ss, l_sb, l_sh, o_sb
 
 def num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int, kv_itemsize: int = 2, max_splits: int = 16) -> int:
     """Splits per request so that stage 1 has at least ``programs_per_sm`` programs per SM, rounded down to
-    a power of two (1..max_splits): 4 for 16-bit pools; 16 for float8 pools, whose one-warp programs are
-    short and leave the last wave of 2,048 equal programs (256 requests x 8 KV heads) mostly empty (H200,
-    ``tools/sweep_decode.py``: 2 splits faster there, and at 128 and 192 requests; docs/benchmarks.md).
-    Depends on the batch size only, so a CUDA graph captured for a batch size keeps it."""
-    programs_per_sm = 16 if kv_itemsize == 1 else 4
+    a power of two (1..max_splits): 8 for 16-bit pools (H200, ``tools/exp_decode_order.py``: 2 splits at 128
+    requests, 4 at 32, 8 at 16 are the fastest with the default launch at mixed lengths); 16 for float8 pools,
+    whose one-warp programs are short and leave the last wave of 2,048 equal programs (256 requests x 8 KV
+    heads) mostly empty (``tools/sweep_decode.py``: 2 splits faster there, and at 128 and 192 requests;
+    docs/benchmarks.md). Depends on the batch size only, so a CUDA graph captured for a batch size keeps it."""
+    programs_per_sm = 16 if kv_itemsize == 1 else 8
     want = triton.cdiv(programs_per_sm * num_sms, max(1, batch_size * num_kv_heads))
     return min(max_splits, 1 << (want.bit_length() - 1))
 
@@ -346,7 +356,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             GROUP=group, MEMBERS=members, HEAD_DIM=d, BLOCK_R=max(16, triton.next_power_of_2(members * group)),
             BLOCK_D=block_d, BLOCK_N=shared_prefix.launch.block_n, NUM_STAGES=shared_prefix.launch.num_stages,
             num_warps=shared_prefix.launch.num_warps, **pdl)
-    _decode_split_kernel[(b, hk, num_splits)](
+    grid = (hk, b, num_splits) if launch.heads_first else (b, hk, num_splits)
+    _decode_split_kernel[grid](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, out, mid_o, mid_lse, sm_scale * _LOG2E, 1.0,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         out.stride(0), out.stride(1), *mid_strides,
@@ -354,7 +365,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         BLOCK_N=launch.block_n, SPLITS=num_splits, NUM_STAGES=launch.num_stages,
         counters=counters if fused else out, FUSED_MERGE=fused,
         req_prefix=out if shared_prefix is None else shared_prefix.req_prefix, prefix_splits=prefix_splits,
-        CASCADE=shared_prefix is not None,
+        CASCADE=shared_prefix is not None, HEADS_FIRST=launch.heads_first,
         num_warps=launch.num_warps, **pdl)
     if num_splits > 1 and not fused:
         _merge_splits_kernel[(b, hq)](
