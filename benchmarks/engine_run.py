@@ -56,7 +56,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             opts[switch] = True
     for name in ("max_running_requests", "mem_fraction_static", "max_total_tokens", "attention_backend",
                  "decode_attention_backend", "kv_cache_dtype", "quantization", "page_size", "chunked_prefill_size",
-                 "max_prefill_tokens", "cuda_graph_max_bs", "schedule_conservativeness"):
+                 "max_prefill_tokens", "cuda_graph_max_bs", "schedule_conservativeness",
+                 "decode_balance_ratio"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     return opts

@@ -180,6 +180,8 @@ def main() -> int:
                    help="send each prompt this many times (GRPO-shaped: the samples share the cached prompt, so "
                         "decode runs cascade attention over it)")
     p.add_argument("--disable-cascade-attn", action="store_true", help="the engines decode without cascade attention")
+    p.add_argument("--decode-balance-ratio", type=float, default=4.0,
+                   help="the engines' rule for cutting decode requests into pieces (0: every step)")
     p.add_argument("--prompt-lens", default="8,299", help="shortest,longest prompt (tokens)")
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="the engines' online weight quantization (references quantize the same way)")
@@ -201,7 +203,8 @@ def main() -> int:
     runs = [run_engine(path, int(tp), prompts, args.new_tokens, args.device, args.kv_cache_dtype, args.quantization,
                        decode_attention_backend=args.decode_attention_backend, page_size=args.page_size,
                        disable_cuda_graph=args.disable_cuda_graph, enable_mixed_chunk=args.enable_mixed_chunk,
-                       max_prefill_tokens=args.max_prefill_tokens, disable_cascade_attn=args.disable_cascade_attn)
+                       max_prefill_tokens=args.max_prefill_tokens, disable_cascade_attn=args.disable_cascade_attn,
+                       decode_balance_ratio=args.decode_balance_ratio)
             for tp in args.tp_sizes.split(",")]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(args.device).eval()
     worst = 0.0

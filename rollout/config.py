@@ -177,6 +177,10 @@ class EngineConfig:
     H200 for bf16 and fp8 pools), "flashinfer", or "xqa" (FlashInfer's XQA kernel from TensorRT-LLM; needs
     ``page_size`` in ``XQA_PAGE_SIZES``; with a float8 pool on Hopper it also rounds q and the softmax
     weights to float8 and multiplies on float8 tensor cores, as vLLM's FA3 and TensorRT-LLM do).
+    ``decode_balance_ratio`` (Triton decode over a 16-bit pool): a decode step whose longest request holds at
+    least this many times the mean cached tokens cuts each request into pieces by its length
+    (``rollout.kernels.balanced_decode``), so one long request does not hold the step's attention up
+    (default 4.0; 0: every step; ``inf``: never).
     ``page_size`` (SGLang's name): KV slots are handed out in pages of that many tokens, each request's
     tokens filling its pages in order, and the prefix cache shares whole pages only (default 1: any
     prefix is shared).
@@ -257,6 +261,7 @@ class EngineConfig:
     enable_mixed_chunk: bool = False
     schedule_conservativeness: float = 0.3
     disable_cascade_attn: bool = False
+    decode_balance_ratio: float = 4.0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -283,6 +288,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be None or one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         if self.dist_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"unknown dist_backend {self.dist_backend!r}")
+        if not self.decode_balance_ratio >= 0:
+            raise ValueError(f"decode_balance_ratio must be >= 0, got {self.decode_balance_ratio}")
         if not self.schedule_conservativeness >= 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
 

@@ -136,7 +136,7 @@ def test_flags_have_sglang_names_and_map_to_engine_options():
                                 "--weight-version", "v0", "--disable-radix-cache",
                                 "--decode-attention-backend", "flashinfer", "--quantization", "fp8",
                                 "--cuda-graph-max-bs", "512", "--schedule-conservativeness", "0.3",
-                                "--disable-cascade-attn"])
+                                "--disable-cascade-attn", "--decode-balance-ratio", "8"])
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 30000, None)
     kwargs = args.engine_kwargs()
     assert kwargs["model_path"] == "/m" and kwargs["tp_size"] == 2 and kwargs["dtype"] == "bfloat16"
@@ -145,7 +145,7 @@ def test_flags_have_sglang_names_and_map_to_engine_options():
     assert kwargs["weight_version"] == "v0" and kwargs["disable_radix_cache"] is True
     assert kwargs["decode_attention_backend"] == "flashinfer" and kwargs["quantization"] == "fp8"
     assert kwargs["cuda_graph_max_bs"] == 512 and kwargs["schedule_conservativeness"] == 0.3
-    assert kwargs["disable_cascade_attn"] is True
+    assert kwargs["disable_cascade_attn"] is True and kwargs["decode_balance_ratio"] == 8.0
     from rollout.config import EngineConfig
 
     assert set(kwargs) - {"model_path", "tp_size", "dtype", "device"} <= EngineConfig.field_names()

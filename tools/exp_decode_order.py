@@ -2,11 +2,13 @@
 request's KV heads next to each other (``DecodeLaunch.heads_first``) reads the pool faster than launching the
 requests of one KV head next to each other (the default order).
 
-    python tools/exp_decode_order.py [--cases qwen,varied,llama8b,llama8b-varied] [--batches 64,128,256]
+    python tools/exp_decode_order.py [--cases qwen,varied,straggler,llama8b,llama8b-varied] [--batches 64,128,256]
 
 Read ceiling: a streaming Triton load-and-sum over 4 GiB and ``torch.Tensor.sum``, against a device copy
 (read + write). Decode: one layer, the engine's slot layout (``tools/sweep_decode.slot_layout``), splits merged
 inside the kernel (as the engine runs it), each setting as a CUDA graph of 20 calls; checked against the default.
+The load-balanced kernel (``rollout.kernels.balanced_decode``) runs with each requests-first setting, its
+plan made once beforehand.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rollout.kernels.balanced_decode import balanced_decode_attention, one_wave_programs  # noqa: E402
+from rollout.kernels.balanced_decode import (DecodePieces, balanced_decode_attention, balanced_programs,  # noqa: E402
+                                             plan_pieces)
 from rollout.kernels.decode_attention import DecodeLaunch, decode_attention, default_launch, num_kv_splits  # noqa: E402
 from tools.sweep_decode import slot_layout  # noqa: E402
 from tools.timing import graph_ms  # noqa: E402
@@ -60,13 +63,17 @@ def varied_lengths(batch: int, seed: int = 0) -> torch.Tensor:
 
 
 def decode_case(label: str, batch: int, context: int, hq: int, hk: int, d: int, launches: list[DecodeLaunch],
-                varied: bool = False, balanced: tuple[int, ...] = (), min_chunks: tuple[int, ...] = (256,)) -> None:
+                varied: bool = False, balanced: tuple[float, ...] = (), min_chunks: tuple[int, ...] = (256,),
+                long_tail: int = 0) -> None:
     """``varied``: per-request lengths from ``varied_lengths`` (their mean replaces ``context``), each request's
-    slots contiguous."""
+    slots contiguous; ``long_tail`` > 0: the first request that long instead (a GRPO straggler)."""
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     if varied:
         lens = varied_lengths(batch)
+        if long_tail:
+            lens[0] = long_tail
+            label += f" straggler {long_tail}"
         indptr = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32).to(dev)
         slots = int(lens.sum())
         indices = torch.arange(1, slots + 1, dtype=torch.int32, device=dev)
@@ -98,16 +105,19 @@ def decode_case(label: str, batch: int, context: int, hq: int, hk: int, d: int, 
             print(f"{label} {batch}x{context} n{launch.block_n:<3d} w{launch.num_warps} s{launch.num_stages} "
                   f"{'heads-first' if launch.heads_first else 'batch-first'} splits {sp:2d}  {ms:.4f} ms  "
                   f"{gb / ms:.2f} TB/s  err {err:.1e}{tag}", flush=True)
-        wave = one_wave_programs(q, k, v, indptr, indices, counters, launch) if balanced and not launch.heads_first else 0
-        for waves, min_chunk in itertools.product(() if launch.heads_first else balanced, min_chunks):
-            def run(launch=launch, programs=waves * wave, min_chunk=min_chunk):
-                balanced_decode_attention(q, k, v, indptr, indices, d ** -0.5, programs, counters, out=out,
-                                          launch=launch, min_chunk=min_chunk)
+        for scale, min_chunk in itertools.product(() if launch.heads_first else balanced, min_chunks):
+            programs = max(1, int(scale * balanced_programs(hk, sms)))
+            pieces = DecodePieces.new(batch, programs, dev)
+            plan_pieces(indptr, batch, pieces, min_chunk)  # once per step in the engine, not per layer
+
+            def run(launch=launch, pieces=pieces):
+                balanced_decode_attention(q, k, v, indptr, indices, d ** -0.5, pieces, counters, out=out,
+                                          launch=launch)
             ms = graph_ms(run)
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
             print(f"{label} {batch}x{context} n{launch.block_n:<3d} w{launch.num_warps} s{launch.num_stages} "
-                  f"balanced {waves} wave(s) ({waves * wave} ranges/head, min {min_chunk})  {ms:.4f} ms  "
-                  f"{gb / ms:.2f} TB/s  err {err:.1e}", flush=True)
+                  f"balanced x{scale:g} ({programs} pieces/head beyond one a request, min {min_chunk}, "
+                  f"{int(pieces.first[batch])} pieces)  {ms:.4f} ms  {gb / ms:.2f} TB/s  err {err:.1e}", flush=True)
 
 
 def main() -> None:
@@ -116,7 +126,8 @@ def main() -> None:
     p.add_argument("--batches", default="64,128,256")
     p.add_argument("--grid", default="64,2,4;32,2,4;64,4,3;128,4,2",
                    help="'n,w,s;...' launch settings, each tried in both orders")
-    p.add_argument("--balanced", default="1,2", help="waves of resident programs of the token-balanced kernel")
+    p.add_argument("--balanced", default="1",
+                   help="scales of balanced_programs for the load-balanced kernel (comma list; empty: none)")
     p.add_argument("--min-chunks", default="256", help="the balanced kernel's least tokens per range (a list)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the read-bandwidth probes")
     args = p.parse_args()
@@ -128,13 +139,15 @@ def main() -> None:
         n, w, s = (int(x) for x in part.split(","))
         launches += [DecodeLaunch(n, w, s, False), DecodeLaunch(n, w, s, True)]
     cases = set(args.cases.split(","))
-    kw = {"balanced": tuple(int(x) for x in args.balanced.split(",") if x),
+    kw = {"balanced": tuple(float(x) for x in args.balanced.split(",") if x),
           "min_chunks": tuple(int(x) for x in args.min_chunks.split(","))}
     for batch in (int(b) for b in args.batches.split(",")):
         if "qwen" in cases:
             decode_case("qwen3-0.6b", batch, 600, 16, 8, 128, launches, **kw)
         if "varied" in cases:
             decode_case("qwen3-0.6b", batch, 0, 16, 8, 128, launches, varied=True, **kw)
+        if "straggler" in cases:
+            decode_case("qwen3-0.6b", batch, 0, 16, 8, 128, launches, varied=True, long_tail=16384, **kw)
         if "llama8b-varied" in cases:
             decode_case("llama-8b", batch, 0, 32, 8, 128, launches, varied=True, **kw)
     if "llama8b" in cases:

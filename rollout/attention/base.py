@@ -49,6 +49,11 @@ class AttentionBackend:
         ``init_forward_metadata``."""
         return False
 
+    def wants_balanced_decode(self, seq_lens: list[int]) -> bool:
+        """Whether a decode step over requests of these cached lengths should cut them into pieces by length
+        (``CudaGraphRunner`` then replays that variant of its graph; a backend without one says no)."""
+        return False
+
     def reset_state(self) -> None:
         """Zero whatever state the kernels expect to find at zero between launches (called after the KV
         cache's memory was released and resumed: new memory holds anything)."""

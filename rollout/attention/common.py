@@ -18,7 +18,8 @@ class AttentionSpec:
     """The attention a backend runs, on one TP rank: ``num_qo_heads`` / ``num_kv_heads`` of ``head_dim``,
     softmax ``scaling``; q and the output in ``dtype``, the KV pool in ``kv_dtype``, on ``device``.
     Sizes: a decode batch holds at most ``max_batch_size`` requests, a request at most ``max_context_len``
-    tokens; the pool hands out pages of ``page_size`` slots (``KVPool.paged``)."""
+    tokens; the pool hands out pages of ``page_size`` slots (``KVPool.paged``). ``decode_balance_ratio``:
+    ``EngineConfig``'s (when a decode backend cuts requests into pieces by length)."""
 
     num_qo_heads: int
     num_kv_heads: int
@@ -30,6 +31,7 @@ class AttentionSpec:
     max_batch_size: int = 1024
     max_context_len: int = 0
     page_size: int = 1
+    decode_balance_ratio: float = 4.0
 
     @property
     def max_kv_indices(self) -> int:

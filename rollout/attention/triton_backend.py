@@ -13,6 +13,8 @@ import torch
 from rollout.attention.base import AttentionBackend, require_decode
 from rollout.attention.common import AttentionSpec, SharedBuffers
 from rollout.attention.graph_inputs import DecodeGraphState, prepare_graph_decode
+from rollout.kernels.balanced_decode import (DecodePieces, balanced_decode_attention, balanced_programs, plan_pieces,
+                                             wants_pieces)
 from rollout.kernels.decode_attention import SharedPrefixArgs, decode_attention, max_prefix_members, num_kv_splits
 from rollout.kernels.decode_indices import write_kv_indices
 
@@ -23,19 +25,22 @@ if TYPE_CHECKING:
 
 @dataclass
 class TritonDecodeMetadata:
-    """What the Triton decode kernel needs per forward: device ``kv_indptr`` [B + 1], ``kv_indices``
-    (int32 slots), the number of KV splits (fixed per batch size) and, for cascade decode, the groups of rows
-    sharing a prefix."""
+    """What the Triton decode kernels need per forward: device ``kv_indptr`` [B + 1], ``kv_indices``
+    (int32 slots), the number of KV splits (fixed per batch size), and either the step's pieces (16-bit pools:
+    ``balanced_decode_attention``) or, for cascade decode, the groups of rows sharing a prefix."""
 
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     num_splits: int
     shared_prefix: SharedPrefixArgs | None = None
+    pieces: DecodePieces | None = None
 
 
 class TritonAttnBackend(AttentionBackend):
-    """Decode through the Triton split-KV kernel, its splits merged inside the kernel (``split_counters``), and
-    cascade decode for a batch's ``shared_prefixes`` (up to ``max_shared_prefix_members`` rows a group; 0 for
+    """Decode through the Triton split-KV kernel, or, over a 16-bit pool at a step whose longest request holds
+    ``spec.decode_balance_ratio`` times the mean tokens or more, the load-balanced kernel (each request cut
+    into pieces by its length, planned once per step); partials merged inside the kernel (``split_counters``).
+    Cascade decode for a batch's ``shared_prefixes`` (up to ``max_shared_prefix_members`` rows a group; 0 for
     models with more than 16 query heads per KV head)."""
 
     supports_cuda_graph = True
@@ -49,30 +54,58 @@ class TritonAttnBackend(AttentionBackend):
         # sized for max_batch_size requests (a larger decode batch raises in decode_attention)
         self.split_counters = torch.zeros(spec.max_batch_size * spec.num_kv_heads, dtype=torch.int32,
                                           device=spec.device)
+        # pieces beyond one a request (16-bit pools; 0: the split-KV kernel) and each graph size's piece tables
+        itemsize = spec.kv_dtype.itemsize
+        self.piece_programs = balanced_programs(spec.num_kv_heads, shared.num_sms) if itemsize == 2 else 0
+        self.graph_pieces: dict[int, DecodePieces] = {}
 
     def reset_state(self) -> None:
         self.split_counters.zero_()
 
+    def wants_balanced_decode(self, seq_lens: list[int]) -> bool:
+        """A 16-bit pool and a longest request of at least ``decode_balance_ratio`` times the mean length: the
+        split kernel's programs for it would outlast the rest (H200, ``tools/exp_decode_order.py``: attention
+        at 16-256 requests 1.7-2.4x faster with one 16k-token request among ~900-token ones; the split kernel
+        stays 5-10% faster at equal lengths)."""
+        return self.piece_programs > 0 and wants_pieces(seq_lens, self.spec.decode_balance_ratio)
+
     def init_forward_metadata(self, batch: "ForwardBatch") -> None:
         require_decode(batch, "triton")
         b = len(batch.seq_lens_cpu)
+        batch.balanced_decode = batch.shared_prefixes is None and self.wants_balanced_decode(batch.seq_lens_cpu)
         batch.attn_metadata = self._metadata(batch, torch.empty(b + 1, dtype=torch.int32, device=self.spec.device))
 
-    def _metadata(self, batch: "ForwardBatch", indptr: torch.Tensor) -> TritonDecodeMetadata:
+    def _metadata(self, batch: "ForwardBatch", indptr: torch.Tensor,
+                  pieces: DecodePieces | None = None) -> TritonDecodeMetadata:
         """Device-side index lists from one kernel launch (no host copy to wait for, so no event either):
         ``kv_indptr`` (cumulative sum of the device ``seq_lens``, into ``indptr``: a graph's fixed buffer
-        when there is one) and ``kv_indices`` (into ``kv_indices_buf``)."""
+        when there is one) and ``kv_indices`` (into ``kv_indices_buf``); then the cascade groups, or with
+        ``batch.balanced_decode`` the step's pieces (into ``pieces``: a graph's fixed tables when given)."""
         b = len(batch.seq_lens_cpu)
         indices = write_kv_indices(batch.req_to_token, batch.req_pool_indices, batch.seq_lens, indptr,
                                    self.shared.kv_indices_buf, sum(batch.seq_lens_cpu))
         meta = self._with_splits(indptr, indices, b)
         shared = batch.shared_prefixes
-        if shared is not None and shared.members and self.max_shared_prefix_members:
+        cascade = shared is not None and self.max_shared_prefix_members > 0
+        if cascade and shared.members:
             groups = len(shared.members)
             packed = shared.pack(b, groups, self.max_shared_prefix_members, pin=self.spec.device.type == "cuda")
             meta.shared_prefix = self._prefix_args(packed.to(self.spec.device, non_blocking=True), b, groups,
                                                    self._splits(groups))
+        elif not cascade and batch.balanced_decode:
+            meta.pieces = self._plan(indptr, b, pieces or DecodePieces.new(b, self.piece_programs, self.spec.device))
         return meta
+
+    def _plan(self, indptr: torch.Tensor, batch_size: int, pieces: DecodePieces) -> DecodePieces:
+        plan_pieces(indptr, batch_size, pieces)
+        return pieces
+
+    def _pieces_of(self, state: DecodeGraphState) -> DecodePieces | None:
+        """The fixed piece tables of a graph size (created on first use; None over float8 pools)."""
+        bs = state.batch_size
+        if self.piece_programs and bs not in self.graph_pieces:
+            self.graph_pieces[bs] = DecodePieces.new(bs, self.piece_programs, self.spec.device)
+        return self.graph_pieces.get(bs)
 
     def _with_splits(self, indptr: torch.Tensor, indices: torch.Tensor, batch_size: int) -> TritonDecodeMetadata:
         return TritonDecodeMetadata(indptr, indices, self._splits(batch_size))
@@ -96,7 +129,8 @@ class TritonAttnBackend(AttentionBackend):
         return DecodeGraphState.new(batch_size, self.spec.device, size)
 
     def init_graph_metadata(self, batch: "ForwardBatch", state: DecodeGraphState) -> None:
-        batch.attn_metadata = self._metadata(batch, state.indptr)
+        pieces = self._pieces_of(state) if batch.balanced_decode else None
+        batch.attn_metadata = self._metadata(batch, state.indptr, pieces)
         self._graph_prefix(batch, state)
 
     def prepare_graph_replay(self, batch: "ForwardBatch", state: DecodeGraphState, packed: torch.Tensor,
@@ -110,6 +144,8 @@ class TritonAttnBackend(AttentionBackend):
             state.prefix.copy_(batch.shared_prefixes.pack(state.batch_size, groups, self.max_shared_prefix_members,
                                                           pin=cuda), non_blocking=cuda)
         self._graph_prefix(batch, state)
+        if batch.balanced_decode:
+            batch.attn_metadata.pieces = self._plan(state.indptr, state.batch_size, self._pieces_of(state))
 
     def _graph_prefix(self, batch: "ForwardBatch", state: DecodeGraphState) -> None:
         """The cascade variant's stage 0 arguments over the graph's fixed buffer (stage 0 programs for about one
@@ -130,6 +166,9 @@ class TritonAttnBackend(AttentionBackend):
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
         # the kernel rounds q to its compute type and writes spec.dtype itself
         out = torch.empty(q.shape, dtype=self.spec.dtype, device=q.device)
+        if meta.pieces is not None and meta.shared_prefix is None:
+            return balanced_decode_attention(q.contiguous(), k_buf, v_buf, meta.kv_indptr, meta.kv_indices,
+                                             self.spec.scaling, meta.pieces, self.split_counters, out=out)
         return decode_attention(q.contiguous(), k_buf, v_buf, meta.kv_indptr, meta.kv_indices, self.spec.scaling,
                                 meta.num_splits, out=out, counters=self.split_counters,
                                 shared_prefix=meta.shared_prefix)

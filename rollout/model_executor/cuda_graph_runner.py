@@ -8,10 +8,12 @@ under the ``kv_cache`` memory tag, so sleep releases it with the KV cache.
 Inputs live in static buffers; a replay has the attention backend fill them from the real batch (padding
 rows write their KV to the scratch slot 0 and read one cached token) and re-plan attention for that size
 (``AttentionBackend.prepare_graph_replay``: with Triton or XQA decode both in one kernel launch), and
-replays. With ``shared_prefix`` and a backend that takes ``shared_prefixes`` groups, each size of at least 2
-also gets a cascade variant, replayed for steps whose batch has groups. A variant is captured when the first
-such step of its size comes (as a GRPO rollout starts), so an engine that never sees shared prefixes spends no
-startup time on them: the static inputs are first reset to padding (the warm-up forwards write K/V to the
+replays. Two variants of a size's graph besides the plain one: with ``shared_prefix`` and a backend that takes
+``shared_prefixes`` groups, each size of at least 2 gets a cascade variant, replayed for steps whose batch has
+groups; and a ``balanced`` variant, replayed for steps the backend wants cut into pieces by length
+(``AttentionBackend.wants_balanced_decode``: a long request among short ones). A variant is captured when the
+first such step of its size comes (as a GRPO rollout starts), so an engine that never needs one spends no
+startup time on it: the static inputs are first reset to padding (the warm-up forwards write K/V to the
 scratch slot 0 only), and the warm-up waits on the device for the step in flight, once per size.
 Weights are never rebound (updates copy in place), so graphs stay valid across updates.
 """
@@ -58,10 +60,11 @@ class CudaGraphRunner:
         head = runner.model.lm_head
         with runner.memory.region("kv_cache"):  # scratch that sleep releases (the graphs' own memory it cannot)
             self.logits = torch.empty(self.max_bs, head.padded_vocab_size, dtype=head.weight.dtype, device=dev)
-        # keyed by (batch size, cascade variant); the backend's graph_state per batch size serves both
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        # keyed by (batch size, variant: "plain", "cascade" or "balanced"); the backend's graph_state per batch
+        # size serves all its variants
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.states: dict[int, Any] = {}
-        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, str], torch.Tensor] = {}
         self.pool = None
         self.capture()
 
@@ -71,23 +74,26 @@ class CudaGraphRunner:
     def _padded(self, batch_size: int) -> int:
         return next(s for s in self.batch_sizes if s >= batch_size)
 
-    def _batch(self, bs: int, seq_lens_cpu: list[int], shared: SharedPrefixes | None = None) -> ForwardBatch:
+    def _batch(self, bs: int, seq_lens_cpu: list[int], shared: SharedPrefixes | None = None,
+               balanced: bool = False) -> ForwardBatch:
         return ForwardBatch(
             mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
             out_cache_loc=self.out_cache_loc[:bs], req_pool_indices=self.rows[:bs], seq_lens=self.seq_lens[:bs],
             seq_lens_cpu=seq_lens_cpu, extend_lens=[1] * bs, kv_pool=self.runner.kv_pool,
-            req_to_token=self.runner.req_to_token.table, attn_backend=self.backend, shared_prefixes=shared)
+            req_to_token=self.runner.req_to_token.table, attn_backend=self.backend, shared_prefixes=shared,
+            balanced_decode=balanced)
 
     def capture(self) -> None:
         self.stream = torch.cuda.Stream(self.runner.device)
         for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory
             self.states[bs] = self.backend.graph_state(bs)
-            self._capture(bs, False)
+            self._capture(bs, "plain")
         torch.cuda.synchronize(self.runner.device)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
 
-    def _capture(self, bs: int, cascade: bool) -> None:
-        batch = self._batch(bs, [1] * bs, SharedPrefixes((), ()) if cascade else None)
+    def _capture(self, bs: int, variant: str) -> None:
+        shared = SharedPrefixes((), ()) if variant == "cascade" else None
+        batch = self._batch(bs, [1] * bs, shared, variant == "balanced")
         self.backend.init_graph_metadata(batch, self.states[bs])
         stream, current = self.stream, torch.cuda.current_stream(self.runner.device)
         stream.wait_stream(current)
@@ -105,16 +111,18 @@ class CudaGraphRunner:
             finally:
                 graph.capture_end()
         self.pool = graph.pool()
-        self.graphs[bs, cascade], self.outputs[bs, cascade] = graph, out
+        self.graphs[bs, variant], self.outputs[bs, variant] = graph, out
 
-    def _capture_cascade(self, bs: int) -> None:
-        """The cascade variant of size ``bs``, from static inputs reset to padding rows (see the module doc)."""
+    def _capture_variant(self, bs: int, variant: str) -> None:
+        """The cascade or balanced variant of size ``bs``, from static inputs reset to padding rows (see the
+        module doc)."""
         start = time.perf_counter()
         pad_decode_inputs(self._batch(bs, [1] * bs), 0)
-        self.states[bs].prefix.zero_()  # no groups: stage 0 of the warm-up forwards reads nothing
+        if variant == "cascade":
+            self.states[bs].prefix.zero_()  # no groups: stage 0 of the warm-up forwards reads nothing
         with self.runner.memory.region("cuda_graph"):
-            self._capture(bs, True)
-        logger.info("captured the cascade decode CUDA graph for batch size %d in %.0f ms", bs,
+            self._capture(bs, variant)
+        logger.info("captured the %s decode CUDA graph for batch size %d in %.0f ms", variant, bs,
                     1e3 * (time.perf_counter() - start))
 
     def replay(self, step: "StepInput", packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
@@ -125,10 +133,11 @@ class CudaGraphRunner:
         b = len(step.rows)
         bs = self._padded(b)
         shared = step.shared_prefixes if self.shared_prefix and bs >= 2 else None
-        if shared is not None and (bs, True) not in self.graphs:
-            self._capture_cascade(bs)
-        batch = self._batch(bs, list(step.seq_lens) + [1] * (bs - b), shared)
+        balanced = shared is None and self.backend.wants_balanced_decode(list(step.seq_lens))
+        key = (bs, "cascade" if shared is not None else "balanced" if balanced else "plain")
+        if key not in self.graphs:
+            self._capture_variant(*key)
+        batch = self._batch(bs, list(step.seq_lens) + [1] * (bs - b), shared, balanced)
         self.backend.prepare_graph_replay(batch, self.states[bs], packed, last_token_ids)
-        key = (bs, shared is not None)
         self.graphs[key].replay()
         return self.outputs[key][:b]

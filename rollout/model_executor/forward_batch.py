@@ -56,7 +56,8 @@ class ForwardBatch:
     contributes ``extend_lens[i]`` tokens whose KV is written to ``out_cache_loc`` and which attend to
     its first ``seq_lens[i]`` cached tokens (listed in ``req_to_token[req_pool_indices[i]]``).
     ``shared_prefixes`` (decode, when the scheduler found some and the backend takes them): rows whose first
-    slots are the same; a backend without cascade decode ignores it.
+    slots are the same; a backend without cascade decode ignores it. ``balanced_decode`` (a decode CUDA graph's
+    variant, ``AttentionBackend.wants_balanced_decode``): attention cuts the requests into pieces by length.
     """
 
     mode: ForwardMode
@@ -72,6 +73,7 @@ class ForwardBatch:
     attn_backend: "AttentionBackend"
     attn_metadata: Any = None
     shared_prefixes: SharedPrefixes | None = None
+    balanced_decode: bool = False
 
     @property
     def batch_size(self) -> int:

@@ -208,7 +208,8 @@ class ModelRunner:
         extra is installed, else ``torch_native``)."""
         spec = AttentionSpec(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling, self.dtype,
                              self.kv_dtype, self.device, max_batch_size=self.config.max_running_requests,
-                             max_context_len=self.context_len + 1, page_size=self.config.page_size)
+                             max_context_len=self.context_len + 1, page_size=self.config.page_size,
+                             decode_balance_ratio=self.config.decode_balance_ratio)
         return create_attention_backend(spec, self.config.attention_backend, self.config.decode_attention_backend)
 
     def _graph_runner(self):

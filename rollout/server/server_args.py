@@ -31,6 +31,7 @@ _ENGINE_OPTIONS = {
     "page_size": "page_size",
     "cuda_graph_max_bs": "cuda_graph_max_bs",
     "schedule_conservativeness": "schedule_conservativeness",
+    "decode_balance_ratio": "decode_balance_ratio",
 }
 
 # on/off flags, passed to the Engine (same field name) only when set
@@ -68,6 +69,7 @@ class ServerArgs:
     page_size: int | None = None
     cuda_graph_max_bs: int | None = None
     schedule_conservativeness: float | None = None
+    decode_balance_ratio: float | None = None
     disable_radix_cache: bool = False
     keep_weight_copy: bool = False
     enable_memory_saver: bool = False
@@ -156,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="online weight quantization (fp8: W8A8 projections, quantized as weights load)")
     p.add_argument("--page-size", type=int, default=None,
                    help="KV slots per page (default 1; decode backend xqa needs 16, 32, 64 or 128)")
+    p.add_argument("--decode-balance-ratio", type=float, default=None,
+                   help="cut decode requests into pieces by length when the longest holds this many times the "
+                        "mean cached tokens (default 4; 0: always; inf: never)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch captured in a CUDA graph (default 1024; larger batches run eagerly)")
     p.add_argument("--schedule-conservativeness", type=float, default=None,
