@@ -111,6 +111,9 @@ class Recording(AttentionBackend):
     def wants_fresh_kv(self, batch):
         return self.name == "prefill"
 
+    def wants_balanced_decode(self, seq_lens):
+        return self.name == "decode" and max(seq_lens) > 100
+
     def graph_state(self, batch_size):
         self.calls.append(("graph_state", batch_size))
         return batch_size
@@ -151,6 +154,8 @@ def test_hybrid_routes_extend_to_prefill_and_decode_to_decode():
         assert backend.calls[-2:] == ["init", ("forward", True)]
         assert other.calls == before
     assert hybrid.graph_state(8) == 8 and decode.calls[-1] == ("graph_state", 8)
+    # the CUDA graph runner asks the hybrid which graph variant a decode step replays: the decode backend answers
+    assert hybrid.wants_balanced_decode([5, 500]) and not hybrid.wants_balanced_decode([5, 50])
 
 
 def test_prepare_graph_replay_default_fills_inputs_then_plans():

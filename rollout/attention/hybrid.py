@@ -43,6 +43,9 @@ class HybridAttnBackend(AttentionBackend):
     def wants_fresh_kv(self, batch: "ForwardBatch") -> bool:
         return self._backend(batch).wants_fresh_kv(batch)
 
+    def wants_balanced_decode(self, seq_lens: list[int]) -> bool:
+        return self.decode_backend.wants_balanced_decode(seq_lens)
+
     def reset_state(self) -> None:
         self.prefill_backend.reset_state()
         self.decode_backend.reset_state()

@@ -65,8 +65,8 @@ class TritonAttnBackend(AttentionBackend):
     def wants_balanced_decode(self, seq_lens: list[int]) -> bool:
         """A 16-bit pool and a longest request of at least ``decode_balance_ratio`` times the mean length: the
         split kernel's programs for it would outlast the rest (H200, ``tools/exp_decode_order.py``: attention
-        at 16-256 requests 1.7-2.4x faster with one 16k-token request among ~900-token ones; the split kernel
-        stays 5-10% faster at equal lengths)."""
+        at 16-256 requests 1.6-3.3x faster with one 16k-token request among ~900-token ones; the split kernel
+        stays 5-11% faster at equal lengths)."""
         return self.piece_programs > 0 and wants_pieces(seq_lens, self.spec.decode_balance_ratio)
 
     def init_forward_metadata(self, batch: "ForwardBatch") -> None:
