@@ -88,7 +88,8 @@ def run_engine(path: str, tp: int, prompts: list[list[int]], new_tokens: int, de
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         stats = engine.get_step_stats()
     print(f"engine TP={tp}: {stats['prefill']['steps']} extend steps, {stats['mixed_steps']} of them mixed with "
-          f"decode; {stats['cascade_steps']} decode steps with shared-prefix groups ({stats['cascade_rows']} rows)",
+          f"decode; {stats['cascade_steps']} decode steps with shared-prefix groups ({stats['cascade_rows']} rows); "
+          f"decode graph replays {stats['graph_replays']}",
           flush=True)
     run = EngineRun(tp, [o.outputs[0].token_ids for o in outs], [o.outputs[0].token_logprobs for o in outs],
                     [[[(t, lp.logprob) for t, lp in d.items()] for d in o.outputs[0].logprobs] for o in outs],

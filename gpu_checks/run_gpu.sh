@@ -4,6 +4,9 @@
 # (or ./gpu_out).
 #   bash gpu_checks/run_gpu.sh regress   # after any change to the engine's GPU path or its defaults (one call):
 #                                        # kernels, sleep memory (8B shape), 8B logits, Qwen3-0.6B cascade logits
+#   bash gpu_checks/run_gpu.sh balanced  # the load-balanced decode kernel: tests, logits with every step balanced
+#                                        # (its CUDA-graph variant: graph_replays must show "balanced"; then eager),
+#                                        # one layer with a straggler against the split kernel
 #   bash gpu_checks/run_gpu.sh kernels   # Triton kernels, FlashInfer vs torch attention, a small model vs HF
 #   bash gpu_checks/run_gpu.sh qwen      # Qwen3-0.6B shape, nano-vllm protocol
 #   bash gpu_checks/run_gpu.sh qwen-logits  # Qwen3-0.6B shape (q/k norm fused into the rope kernel): logits vs HF
@@ -65,6 +68,14 @@ case "${1:?stage}" in
     step logits-8b 150 python gpu_checks/check_logits.py --preset llama-3.1-8b --num-seqs 32 --tp-sizes 1
     step logits-qwen3-0.6b-cascade 120 python gpu_checks/check_logits.py --preset qwen3-0.6b --num-seqs 64 \
       --samples-per-prompt 8 --new-tokens 48 --prompt-lens 300,700 ;;
+  balanced)  # decode_balance_ratio is off by default until this passes on a GPU
+    step tests 120 python -m pytest -q tests/test_balanced_decode.py
+    step logits-graphs 150 python gpu_checks/check_logits.py --preset qwen3-0.6b --num-seqs 32 --prompt-lens 8,1500 \
+      --decode-balance-ratio 0
+    step logits-eager 150 python gpu_checks/check_logits.py --preset qwen3-0.6b --num-seqs 32 --prompt-lens 8,1500 \
+      --decode-balance-ratio 0 --disable-cuda-graph
+    step straggler 150 python tools/exp_decode_order.py --no-ceiling --cases straggler,varied,llama8b \
+      --batches 16,128,256 --grid 64,4,3 ;;
   kernels)
     step kernels 240 python gpu_checks/check_kernels.py
     step attention 200 python gpu_checks/check_attention_and_engine.py --part attention

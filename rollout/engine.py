@@ -139,7 +139,8 @@ class Engine:
         return self._call(GetLoadReq(), async_op)
 
     def get_step_stats(self, reset: bool = False) -> dict[str, Any]:
-        """Scheduler timings (decode steps by batch size, prefill totals); ``reset`` starts a new window."""
+        """Scheduler timings (decode steps by batch size, prefill totals, decode steps per CUDA graph variant in
+        ``graph_replays``); ``reset`` starts a new window."""
         return self._call(GetStepStatsReq(reset=reset))
 
     # ---- colocation: sleep / wake_up (docs/colocation.md; needs enable_memory_saver=True) -------

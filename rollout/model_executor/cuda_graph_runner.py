@@ -65,6 +65,7 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.states: dict[int, Any] = {}
         self.outputs: dict[tuple[int, str], torch.Tensor] = {}
+        self.replays: dict[str, int] = {}  # decode steps replayed per variant (Engine.get_step_stats)
         self.pool = None
         self.capture()
 
@@ -140,4 +141,5 @@ class CudaGraphRunner:
         batch = self._batch(bs, list(step.seq_lens) + [1] * (bs - b), shared, balanced)
         self.backend.prepare_graph_replay(batch, self.states[bs], packed, last_token_ids)
         self.graphs[key].replay()
+        self.replays[key[1]] = self.replays.get(key[1], 0) + 1
         return self.outputs[key][:b]

@@ -84,9 +84,19 @@ class Scheduler:
         self.sampling = SamplingInfoCache(self.runner, model_cfg.eos_token_ids)
         self.results = ResultProcessor(self.running, self.cache, self.prefill, self.outputs, self.stats, self.tokenizer)
         self.control_handlers: dict[type, Callable[[Any], Any]] = {
-            GetLoadReq: self.get_load, GetStepStatsReq: lambda req: self.stats.snapshot(req.reset),
+            GetLoadReq: self.get_load, GetStepStatsReq: self.get_step_stats,
             GetWeightStateReq: self.get_weight_state, PauseGenerationReq: self.pause_generation,
             ContinueGenerationReq: self.continue_generation, **self.weights.handlers(), **self.memory.handlers()}
+
+    def get_step_stats(self, req: GetStepStatsReq) -> dict[str, Any]:
+        """``SchedulerStats.snapshot``, plus the decode steps replayed from each CUDA graph variant ("plain",
+        "cascade", "balanced"; empty without graphs)."""
+        out = self.stats.snapshot(req.reset)
+        graphs = self.runner.graph_runner
+        out["graph_replays"] = dict(graphs.replays) if graphs is not None else {}
+        if req.reset and graphs is not None:
+            graphs.replays.clear()
+        return out
 
     @property
     def context_len(self) -> int:
