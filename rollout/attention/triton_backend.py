@@ -5,6 +5,7 @@ wait for. Decode batches only (prefill: ``HybridAttnBackend`` pairs it with Flas
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,9 +55,10 @@ class TritonAttnBackend(AttentionBackend):
         # sized for max_batch_size requests (a larger decode batch raises in decode_attention)
         self.split_counters = torch.zeros(spec.max_batch_size * spec.num_kv_heads, dtype=torch.int32,
                                           device=spec.device)
-        # pieces beyond one a request (16-bit pools; 0: the split-KV kernel) and each graph size's piece tables
-        itemsize = spec.kv_dtype.itemsize
-        self.piece_programs = balanced_programs(spec.num_kv_heads, shared.num_sms) if itemsize == 2 else 0
+        # pieces beyond one a request (16-bit pools with a finite decode_balance_ratio; 0: the split-KV kernel
+        # only, and no per-step look at the lengths) and each graph size's piece tables
+        balance = spec.kv_dtype.itemsize == 2 and math.isfinite(spec.decode_balance_ratio)
+        self.piece_programs = balanced_programs(spec.num_kv_heads, shared.num_sms) if balance else 0
         self.graph_pieces: dict[int, DecodePieces] = {}
 
     def reset_state(self) -> None:

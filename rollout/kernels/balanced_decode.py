@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.kernels.decode_attention import DecodeLaunch, _attend, _query_tile, _store_partial, default_launch
+from rollout.kernels.decode_attention import (DecodeLaunch, _attend, _query_tile, _store_partial, check_counters,
+                                              check_decode_inputs, default_launch)
 from rollout.kernels.pdl import pdl_launch, pdl_prologue
 
 _LOG2E = 1.4426950408889634
@@ -173,12 +174,8 @@ def balanced_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer:
     when the kernel ends). No host sync; CUDA-graph safe."""
     b, hq, d = q.shape
     hk = k_buffer.shape[1]
-    if hq % hk or k_buffer.shape[2] != d or v_buffer.shape[1:] != k_buffer.shape[1:]:
-        raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k_buffer.shape)}, v {tuple(v_buffer.shape)}")
-    if q.stride(-1) != 1 or k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
-        raise ValueError("q and the KV buffers need a contiguous last dim")
-    if counters.dtype != torch.int32 or counters.numel() < b * hk or not counters.is_contiguous():
-        raise ValueError(f"counters must be a contiguous int32 tensor of >= {b * hk} zeros")
+    check_decode_inputs(q, k_buffer, v_buffer)
+    check_counters(counters, b * hk)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if b == 0:
         return out

@@ -319,12 +319,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     """
     b, hq, d = q.shape
     hk = k_buffer.shape[1]
-    if hq % hk or k_buffer.shape[2] != d or v_buffer.shape[1:] != k_buffer.shape[1:]:
-        raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k_buffer.shape)}, v {tuple(v_buffer.shape)}")
+    check_decode_inputs(q, k_buffer, v_buffer)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    if q.stride(-1) != 1 or k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
-        raise ValueError("q and the KV buffers need a contiguous last dim")
     prefix_splits = 0 if shared_prefix is None else shared_prefix.splits
     if shared_prefix is not None:
         _check_shared_prefix(shared_prefix, b, counters)
@@ -342,8 +339,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     else:
         mid_o, mid_lse = out, out  # unused
     fused = total > 1 and counters is not None
-    if fused and (counters.dtype != torch.int32 or counters.numel() < b * hk or not counters.is_contiguous()):
-        raise ValueError(f"counters must be a contiguous int32 tensor of >= {b * hk} zeros")
+    if fused:
+        check_counters(counters, b * hk)
     mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if total > 1 else 0, mid_lse.stride(0),
                    mid_lse.stride(1))
     if shared_prefix is not None and shared_prefix.groups.shape[0] > 0:
@@ -373,6 +370,21 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             mid_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=block_d, SPLITS=num_splits,
             num_warps=4, **pdl)
     return out
+
+
+def check_decode_inputs(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
+    """q [B, Hq, D] against KV buffers [slots, Hk, D] (Hq a multiple of Hk), each with a contiguous last dim."""
+    d, hq, hk = q.shape[2], q.shape[1], k_buffer.shape[1]
+    if hq % hk or k_buffer.shape[2] != d or v_buffer.shape[1:] != k_buffer.shape[1:]:
+        raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k_buffer.shape)}, v {tuple(v_buffer.shape)}")
+    if q.stride(-1) != 1 or k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
+        raise ValueError("q and the KV buffers need a contiguous last dim")
+
+
+def check_counters(counters: torch.Tensor, need: int) -> None:
+    """The in-kernel merge's counts: a contiguous int32 tensor of at least ``need`` entries."""
+    if counters.dtype != torch.int32 or counters.numel() < need or not counters.is_contiguous():
+        raise ValueError(f"counters must be a contiguous int32 tensor of >= {need} zeros")
 
 
 def _check_shared_prefix(args: SharedPrefixArgs, batch_size: int, counters: torch.Tensor | None) -> None:
