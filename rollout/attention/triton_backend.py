@@ -103,7 +103,7 @@ class TritonAttnBackend(AttentionBackend):
         return pieces
 
     def _pieces_of(self, state: DecodeGraphState) -> DecodePieces | None:
-        """The fixed piece tables of a graph size (created on first use; None over float8 pools)."""
+        """The fixed piece tables of a graph size (created on first use; None when the backend never cuts pieces)."""
         bs = state.batch_size
         if self.piece_programs and bs not in self.graph_pieces:
             self.graph_pieces[bs] = DecodePieces.new(bs, self.piece_programs, self.spec.device)
