@@ -79,7 +79,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="KV pool size in tokens (overrides --mem-fraction-static): a KV-tight setup, e.g. colocated")
     p.add_argument("--decode-balance-ratio", type=float, default=None,
                    help="engine option: cut decode requests into pieces by length at this longest/mean ratio "
-                        "(0: always; default inf: never; 4 suits the H200 measurements)")
+                        "(default 4; 0: always; inf: never)")
     p.add_argument("--schedule-conservativeness", type=float, default=None,
                    help="KV admission's reserve for the running requests (engine default 0.3; 0: one page each)")
     p.add_argument("--disable-cascade-attn", action="store_true",

@@ -206,18 +206,26 @@ def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str,
                 after = engine.get_step_stats()
                 rows = _decoded_rows(after) - _decoded_rows(before)  # neither read resets the counts
                 report[name] = {"total": summarize(outs, end - start, load.tail_s(start, end)).to_dict(),
-                                "decode_rows": rows,
+                                "decode_rows": rows, "graph_replays": replays_between(before, after),
                                 **{k: after.get(k, 0) - before.get(k, 0)
                                    for k in ("mixed_steps", "retractions", "cascade_steps", "cascade_rows")}}
                 continue
             with make_pusher(args.rl_sync, engine, model_path, device, dtype, args.tp_size,
                              args.trainer_device) as trainer:
+                before = engine.get_step_stats()
                 steps, makespan = rl_steps(engine, batches, trainer.push, args.temperature, in_flight)
+                replays = replays_between(before, engine.get_step_stats())
                 exact = trainer.verify()
             tokens = sum(s.output_tokens for s in steps)
             report[name] = {"makespan_s": makespan, "output_tok_s": tokens / makespan, "fingerprint_equal": exact,
-                            "steps": [s.to_dict() for s in steps]}
+                            "graph_replays": replays, "steps": [s.to_dict() for s in steps]}
     return report
+
+
+def replays_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """Decode steps replayed from each CUDA graph variant between two ``Engine.get_step_stats()`` reads."""
+    old = before.get("graph_replays", {})
+    return {k: n - old.get(k, 0) for k, n in after.get("graph_replays", {}).items() if n - old.get(k, 0)}
 
 
 def _decoded_rows(stats: dict[str, Any]) -> int:
@@ -255,7 +263,7 @@ def format_grpo(report: dict[str, Any]) -> str:
                      f"{report['rollout']['retractions']} retractions; cascade decode: "
                      f"{report['rollout']['cascade_steps']} steps, "
                      f"{report['rollout']['cascade_rows'] / max(report['rollout']['decode_rows'], 1):.1%} of the "
-                     f"decoded rows in shared-prefix groups")
+                     f"decoded rows in shared-prefix groups; CUDA graph replays {report['rollout']['graph_replays']}")
         return "\n".join(lines)
     lines.append(f"weight push between steps: {w['rl_sync']} ("
                  + ("update_weights_from_tensor" if w["rl_sync"] == "tensor" else
@@ -263,7 +271,8 @@ def format_grpo(report: dict[str, Any]) -> str:
     for name in ("drain", "in_flight"):
         r = report[name]
         lines.append(f"{name:>9}: makespan {r['makespan_s']:.2f} s, {r['output_tok_s']:.1f} output tok/s over "
-                     f"{len(r['steps'])} steps; engine fingerprint equals the trainer's: {r['fingerprint_equal']}")
+                     f"{len(r['steps'])} steps; engine fingerprint equals the trainer's: {r['fingerprint_equal']}; "
+                     f"CUDA graph replays {r['graph_replays']}")
         for i, s in enumerate(r["steps"]):
             lines.append(f"           step {i + 1}: rollout {s['makespan_s']:.2f} s (tail {s['tail_s']:.2f} s), sync "
                          f"{s['sync_s'] * 1e3:.1f} ms, hit rate {s['prefix_hit_rate']:.1%}, tokens by weight version "

@@ -108,6 +108,7 @@ def build_report(args: argparse.Namespace, model_path: str, device: str, dtype: 
         "prefill": engine.step_stats.get("prefill"),
         "mixed_steps": engine.step_stats.get("mixed_steps", 0),
         "retractions": engine.step_stats.get("retractions", 0),
+        "graph_replays": engine.step_stats.get("graph_replays", {}),
         "hf": hf.to_dict() if hf else None,
         "engine_over_hf": engine.result.output_tok_s / hf.output_tok_s if hf else None,
     }
@@ -144,6 +145,8 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"prefill: {pre['tokens']} tokens in {pre['steps']} steps, {pre['seconds']:.2f} s "
                      f"({pre['tokens'] / max(pre['seconds'], 1e-9):.0f} tok/s); {r.get('mixed_steps', 0)} of them "
                      f"mixed with decode; {r.get('retractions', 0)} retractions")
+    if r.get("graph_replays"):
+        lines.append(f"decode steps replayed from each CUDA graph variant: {r['graph_replays']}")
     f = r.get("run_floor")
     if f and f["decode_floor_s"]:
         lines.append(f"whole run: {f['decode_s']:.2f} s besides prefill, decode floor {f['decode_floor_s']:.2f} s "

@@ -181,8 +181,9 @@ def main() -> int:
                    help="send each prompt this many times (GRPO-shaped: the samples share the cached prompt, so "
                         "decode runs cascade attention over it)")
     p.add_argument("--disable-cascade-attn", action="store_true", help="the engines decode without cascade attention")
-    p.add_argument("--decode-balance-ratio", type=float, default=float("inf"),
-                   help="the engines' rule for cutting decode requests into pieces (0: every step; inf: never)")
+    p.add_argument("--decode-balance-ratio", type=float, default=4.0,
+                   help="the engines' rule for cutting decode requests into pieces (default 4, the engine's; 0: every "
+                        "step; inf: never)")
     p.add_argument("--prompt-lens", default="8,299", help="shortest,longest prompt (tokens)")
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="the engines' online weight quantization (references quantize the same way)")

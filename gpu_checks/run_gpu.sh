@@ -68,7 +68,7 @@ case "${1:?stage}" in
     step logits-8b 150 python gpu_checks/check_logits.py --preset llama-3.1-8b --num-seqs 32 --tp-sizes 1
     step logits-qwen3-0.6b-cascade 120 python gpu_checks/check_logits.py --preset qwen3-0.6b --num-seqs 64 \
       --samples-per-prompt 8 --new-tokens 48 --prompt-lens 300,700 ;;
-  balanced)  # decode_balance_ratio is off by default until this passes on a GPU
+  balanced)  # the load-balanced decode kernel, which decode_balance_ratio (default 4) turns on for stragglers
     step tests 120 python -m pytest -q tests/test_balanced_decode.py
     step logits-graphs 150 python gpu_checks/check_logits.py --preset qwen3-0.6b --num-seqs 32 --prompt-lens 8,1500 \
       --decode-balance-ratio 0

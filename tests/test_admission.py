@@ -68,6 +68,6 @@ def test_config_checks_conservativeness():
     assert EngineConfig("/m").schedule_conservativeness == 0.3
     with pytest.raises(ValueError, match="schedule_conservativeness"):
         EngineConfig("/m", schedule_conservativeness=-0.5)
-    assert EngineConfig("/m").decode_balance_ratio == float("inf")  # off until its graph variant ran on a GPU
+    assert EngineConfig("/m").decode_balance_ratio == 4.0
     with pytest.raises(ValueError, match="decode_balance_ratio"):
         EngineConfig("/m", decode_balance_ratio=-1.0)

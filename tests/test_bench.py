@@ -231,6 +231,15 @@ def test_steady_step_picks_most_steps():
     assert steady_step({"decode": {}}) is None
 
 
+def test_replays_between_counts_each_graph_variant_between_two_reads():
+    from benchmarks.grpo import replays_between
+
+    before = {"graph_replays": {"plain": 5}}
+    after = {"graph_replays": {"plain": 9, "balanced": 3, "cascade": 0}}
+    assert replays_between(before, after) == {"plain": 4, "balanced": 3}
+    assert replays_between({}, {"graph_replays": {}}) == {}
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:
@@ -271,6 +280,7 @@ def test_grpo_workload_and_rl_steps_drained_and_in_flight(tmp_path, capsys):
         assert all(s["prefix_hit_rate"] > 0.5 for s in steps)  # 4 samples per prompt: 3 of 4 prompts cached
         assert report[mode]["makespan_s"] > 0 and all(s["sync_s"] > 0 for s in steps)
         assert report[mode]["fingerprint_equal"] is True
+        assert report[mode]["graph_replays"] == {}  # the CPU runs no CUDA graphs
     assert [set(s["versions"]) for s in report["drain"]["steps"]] == [{"0"}, {"1"}, {"2"}]
     first = report["in_flight"]["steps"][0]
     assert set(first["versions"]) <= {"0", "1"}

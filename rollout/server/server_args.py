@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV slots per page (default 1; decode backend xqa needs 16, 32, 64 or 128)")
     p.add_argument("--decode-balance-ratio", type=float, default=None,
                    help="cut decode requests into pieces by length when the longest holds this many times the "
-                        "mean cached tokens (0: always; default inf: never; 4 suits the H200 measurements)")
+                        "mean cached tokens (default 4; 0: always; inf: never)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch captured in a CUDA graph (default 1024; larger batches run eagerly)")
     p.add_argument("--schedule-conservativeness", type=float, default=None,

@@ -1,0 +1,69 @@
+"""Experiment: the whole engine's decode with one long request among short ones, with the load-balanced decode
+kernel on for such steps (``decode_balance_ratio``) and off.
+
+    python tools/exp_straggler.py [--preset qwen3-0.6b] [--batch 128] [--long 16384] [--short 1000] \
+        [--output-len 256] [--ratios inf,4]
+
+For each ratio an engine (random-weight preset, CUDA graphs) generates the workload once untimed (so every graph
+variant the timed run replays is captured first), then once timed on fresh prompts: one prompt of ``--long``
+tokens and ``--batch - 1`` of ``--short``, each ``--output-len`` tokens with ``ignore_eos``. Prints the decode
+seconds and mean step from the engine's step stats and the decode steps replayed from each graph variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.presets import write_preset  # noqa: E402
+from benchmarks.workload import make_workload  # noqa: E402
+
+
+def straggler_prompts(args: argparse.Namespace, vocab: int, seed: int) -> list[list[int]]:
+    """One ``--long`` prompt followed by ``--batch - 1`` prompts of ``--short`` tokens."""
+    long = make_workload(1, vocab, seed, args.long, 1).prompts
+    return long + make_workload(args.batch - 1, vocab, seed + 1, args.short, 1).prompts
+
+
+def run(args: argparse.Namespace, path: str, ratio: float) -> None:
+    from rollout.engine import Engine
+    from rollout.sampling_params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.output_len, temperature=1.0, ignore_eos=True)
+    with Engine(path, skip_tokenizer_init=True, decode_balance_ratio=ratio, seed=0) as engine:
+        vocab = engine.model_config.vocab_size
+        engine.generate(prompt_token_ids=straggler_prompts(args, vocab, 11), sampling_params=params, use_tqdm=False)
+        engine.flush_cache()
+        engine.get_step_stats(reset=True)
+        start = time.perf_counter()
+        engine.generate(prompt_token_ids=straggler_prompts(args, vocab, 23), sampling_params=params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        stats = engine.get_step_stats(reset=True)
+    decode = stats.get("decode") or {}
+    steps = sum(e["steps"] for e in decode.values())
+    seconds = sum(e["seconds"] for e in decode.values())
+    print(f"ratio {ratio}: {elapsed:.2f} s in all, decode {seconds:.2f} s over {steps} steps "
+          f"({1e3 * seconds / max(steps, 1):.2f} ms a step), prefill {stats.get('prefill', {}).get('seconds', 0):.2f} s; "
+          f"graph replays {stats.get('graph_replays')}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="qwen3-0.6b")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--long", type=int, default=16384)
+    p.add_argument("--short", type=int, default=1000)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--ratios", default="inf,4")
+    args = p.parse_args()
+    path = write_preset(args.preset)
+    for ratio in args.ratios.split(","):
+        run(args, path, float(ratio))
+
+
+if __name__ == "__main__":
+    main()
