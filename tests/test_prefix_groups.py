@@ -121,11 +121,14 @@ def test_pack_lays_out_each_rows_prefix_then_the_padded_group_table():
         shared.pack(batch_size=6, max_groups=3, max_members=2)
 
 
-def test_a_scheduler_with_cascade_decode_groups_the_samples_of_a_prompt_in_its_decode_steps(tiny_dir, hf_reference):
+@pytest.mark.parametrize("balanced", [False, True])
+def test_a_scheduler_with_cascade_decode_groups_the_samples_of_a_prompt_in_its_decode_steps(tiny_dir, hf_reference,
+                                                                                            balanced):
     """Through a real scheduler (CPU: its torch backend ignores the groups, so this checks the scheduling side):
     four samples of a 300-token prompt and one other request. After the samples' prefill every decode step
     carries one group of the four over the prompt they share in the radix cache, their table rows agree over
-    it, the step stats count the groups, and the outputs are transformers' greedy ones."""
+    it, the step stats count the groups, and the outputs are transformers' greedy ones. A step the backend
+    wants cut into pieces by length (``balanced``: a straggler) carries no groups."""
     from conftest import prompts_of_lengths
     from rollout.config import EngineConfig, ModelConfig
     from rollout.distributed import TPGroup
@@ -137,6 +140,9 @@ def test_a_scheduler_with_cascade_decode_groups_the_samples_of_a_prompt_in_its_d
     sched = Scheduler(config, ModelConfig.from_path(path), TPGroup(), torch.device("cpu"))
     sched.reply = lambda msg: None
     sched.decode.prefixes = SharedPrefixFinder(8)  # as the Triton decode backend takes them
+    assert sched.decode.balanced_decode == sched.runner.attn_backend.wants_balanced_decode
+    asked: list[list[int]] = []
+    sched.decode.balanced_decode = lambda seq_lens: asked.append(list(seq_lens)) is None and balanced
     steps = []
     run_step = sched.runner.run_step
 
@@ -161,6 +167,11 @@ def test_a_scheduler_with_cascade_decode_groups_the_samples_of_a_prompt_in_its_d
     while sched.busy:
         sched.step()
     grouped = [s for s in steps if s is not None]
-    assert len(grouped) >= 4 and sched.stats.snapshot(False)["cascade_steps"] == len(grouped)
+    assert len(asked) == len(steps) and all(len(lens) >= 4 for lens in asked)  # asked at every decode step
+    if balanced:
+        assert grouped == []
+    else:
+        assert len(grouped) >= 4
+    assert sched.stats.snapshot(False)["cascade_steps"] == len(grouped)
     want = hf_reference(path).greedy(prompt, 6)
     assert all(r.output_ids == want for r in reqs)

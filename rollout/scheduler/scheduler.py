@@ -67,7 +67,7 @@ class Scheduler:
         self.new_token_ratio = NewTokenRatio(config.schedule_conservativeness, config.page_size)
         self.prefill = PrefillManager(config, self.cache, self.outputs, self.new_token_ratio)
         self.decode = DecodeManager(self.cache, self.outputs, self.stats, self.new_token_ratio,
-                                    self.runner.shared_prefix_members)
+                                    self.runner.shared_prefix_members, self.runner.attn_backend.wants_balanced_decode)
         updater = WeightUpdater(self.runner.weight_map, device, keep_copy=config.keep_weight_copy)
         self.memory = MemoryOccupation(self.runner, self.cache, updater, lambda: len(self.running))
         self.weights = WeightSync(updater, tp, device, self.cache, config.weight_version, self.memory.update_problem)
