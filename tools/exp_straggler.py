@@ -2,7 +2,7 @@
 kernel on for such steps (``decode_balance_ratio``) and off.
 
     python tools/exp_straggler.py [--preset qwen3-0.6b] [--batch 128] [--long 16384] [--short 1000] \
-        [--output-len 256] [--ratios inf,4] [--groups 1] [--cascade on]
+        [--output-len 256] [--ratios inf,4] [--groups 1] [--cascade on] [--kv-cache-dtype auto]
 
 For each cascade setting and ratio an engine (random-weight preset, CUDA graphs) generates the workload once untimed (so every graph
 variant the timed run replays is captured first), then once timed on fresh prompts: one prompt of ``--long``
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace, path: str, ratio: float, cascade: bool) -> Non
 
     params = SamplingParams(max_new_tokens=args.output_len, temperature=1.0, ignore_eos=True)
     with Engine(path, skip_tokenizer_init=True, decode_balance_ratio=ratio, disable_cascade_attn=not cascade,
-                seed=0) as engine:
+                kv_cache_dtype=args.kv_cache_dtype, seed=0) as engine:
         vocab = engine.model_config.vocab_size
         engine.generate(prompt_token_ids=straggler_prompts(args, vocab, 11), sampling_params=params, use_tqdm=False)
         engine.flush_cache()
@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--ratios", default="inf,4")
     p.add_argument("--groups", type=int, default=1, help="copies of each short prompt (GRPO's N)")
     p.add_argument("--cascade", default="on", help="cascade decode settings to run: on, off or on,off")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engines' KV cache dtype (auto, fp8_e4m3)")
     args = p.parse_args()
     path = write_preset(args.preset)
     for cascade in args.cascade.split(","):

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 @dataclass
 class TritonDecodeMetadata:
     """What the Triton decode kernels need per forward: device ``kv_indptr`` [B + 1], ``kv_indices``
-    (int32 slots), the number of KV splits (fixed per batch size), and either the step's pieces (16-bit pools:
-    ``balanced_decode_attention``) or, for cascade decode, the groups of rows sharing a prefix."""
+    (int32 slots), the number of KV splits (fixed per batch size), and either the step's pieces
+    (``balanced_decode_attention``) or, for cascade decode, the groups of rows sharing a prefix."""
 
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
@@ -38,7 +38,7 @@ class TritonDecodeMetadata:
 
 
 class TritonAttnBackend(AttentionBackend):
-    """Decode through the Triton split-KV kernel, or, over a 16-bit pool at a step whose longest request holds
+    """Decode through the Triton split-KV kernel, or, at a step whose longest request holds
     ``spec.decode_balance_ratio`` times the mean tokens or more, the load-balanced kernel (each request cut
     into pieces by its length, planned once per step); partials merged inside the kernel (``split_counters``).
     Cascade decode for a batch's ``shared_prefixes`` (up to ``max_shared_prefix_members`` rows a group; 0 for
@@ -55,9 +55,10 @@ class TritonAttnBackend(AttentionBackend):
         # sized for max_batch_size requests (a larger decode batch raises in decode_attention)
         self.split_counters = torch.zeros(spec.max_batch_size * spec.num_kv_heads, dtype=torch.int32,
                                           device=spec.device)
-        # pieces beyond one a request (16-bit pools with a finite decode_balance_ratio; 0: the split-KV kernel
-        # only, and no per-step look at the lengths) and each graph size's piece tables
-        balance = spec.kv_dtype.itemsize == 2 and math.isfinite(spec.decode_balance_ratio)
+        # pieces beyond one a request (a finite decode_balance_ratio; 0: the split-KV kernel
+        # only, and no per-step look at the lengths) and each graph size's piece tables; float8 pools too get
+        # the 16-bit count (8 programs per SM), the setting measured on them (docs/rl_rollouts.md)
+        balance = math.isfinite(spec.decode_balance_ratio)
         self.piece_programs = balanced_programs(spec.num_kv_heads, shared.num_sms) if balance else 0
         self.graph_pieces: dict[int, DecodePieces] = {}
 
@@ -65,10 +66,10 @@ class TritonAttnBackend(AttentionBackend):
         self.split_counters.zero_()
 
     def wants_balanced_decode(self, seq_lens: list[int]) -> bool:
-        """A 16-bit pool and a longest request of at least ``decode_balance_ratio`` times the mean length: the
-        split kernel's programs for it would outlast the rest (H200, ``tools/exp_decode_order.py``: attention
-        at 16-256 requests 1.6-3.3x faster with one 16k-token request among ~900-token ones; the split kernel
-        stays 5-11% faster at equal lengths)."""
+        """A longest request of at least ``decode_balance_ratio`` times the mean length: the split kernel's
+        programs for it would outlast the rest (one H100, ``tools/exp_straggler.py``: whole decode steps
+        1.57-2.92x faster over bf16 pools and 1.21-2.65x over float8 ones with one long request among 32-256;
+        the split kernel stays up to 3% faster at equal lengths)."""
         return self.piece_programs > 0 and wants_pieces(seq_lens, self.spec.decode_balance_ratio)
 
     def init_forward_metadata(self, batch: "ForwardBatch") -> None:
