@@ -154,7 +154,7 @@ def test_hybrid_routes_extend_to_prefill_and_decode_to_decode():
         assert backend.calls[-2:] == ["init", ("forward", True)]
         assert other.calls == before
     assert hybrid.graph_state(8) == 8 and decode.calls[-1] == ("graph_state", 8)
-    # the CUDA graph runner asks the hybrid which graph variant a decode step replays: the decode backend answers
+    # the scheduler asks the hybrid whether a decode step is cut into pieces: the decode backend answers
     assert hybrid.wants_balanced_decode([5, 500]) and not hybrid.wants_balanced_decode([5, 50])
 
 

@@ -150,6 +150,7 @@ def test_a_scheduler_with_cascade_decode_groups_the_samples_of_a_prompt_in_its_d
         if step.mode == ForwardMode.DECODE:
             groups = step.shared_prefixes
             steps.append(groups)
+            assert step.balanced_decode is balanced  # the scheduler's answer travels with the step
             if groups is not None:  # checked as the step launches, while the rows are the samples'
                 members = [step.rows[i] for i in groups.members[0]]
                 assert groups.prefix_lens == (300,) and sorted(members) == sorted(r.pool_row for r in reqs)

@@ -75,7 +75,7 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata(self, batch: "ForwardBatch") -> None:
         require_decode(batch, "triton")
         b = len(batch.seq_lens_cpu)
-        batch.balanced_decode = batch.shared_prefixes is None and self.wants_balanced_decode(batch.seq_lens_cpu)
+        batch.balanced_decode = batch.balanced_decode and batch.shared_prefixes is None and self.piece_programs > 0
         batch.attn_metadata = self._metadata(batch, torch.empty(b + 1, dtype=torch.int32, device=self.spec.device))
 
     def _metadata(self, batch: "ForwardBatch", indptr: torch.Tensor,

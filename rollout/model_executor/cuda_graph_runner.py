@@ -10,11 +10,12 @@ rows write their KV to the scratch slot 0 and read one cached token) and re-plan
 (``AttentionBackend.prepare_graph_replay``: with Triton or XQA decode both in one kernel launch), and
 replays. Two variants of a size's graph besides the plain one: with ``shared_prefix`` and a backend that takes
 ``shared_prefixes`` groups, each size of at least 2 gets a cascade variant, replayed for steps whose batch has
-groups; and a ``balanced`` variant, replayed for steps the backend wants cut into pieces by length
-(``AttentionBackend.wants_balanced_decode``: a long request among short ones). A variant is captured when the
-first such step of its size comes (as a GRPO rollout starts), so an engine that never needs one spends no
-startup time on it: the static inputs are first reset to padding (the warm-up forwards write K/V to the
-scratch slot 0 only), and the warm-up waits on the device for the step in flight, once per size.
+groups; and a ``balanced`` variant, replayed for steps the scheduler marked to be cut into pieces by length
+(``StepInput.balanced_decode``, from ``AttentionBackend.wants_balanced_decode``: a long request among short
+ones). A variant is captured when the first such step of its size comes (as a GRPO rollout starts), so an
+engine that never needs one spends no startup time on it: the static inputs are first reset to padding (the
+warm-up forwards write K/V to the scratch slot 0 only), and the warm-up waits on the device for the step in
+flight, once per size.
 Weights are never rebound (updates copy in place), so graphs stay valid across updates.
 """
 
@@ -135,7 +136,7 @@ class CudaGraphRunner:
         bs = self._padded(b)
         shared = step.shared_prefixes if self.shared_prefix and bs >= 2 else None
         seq_lens = list(step.seq_lens)
-        balanced = shared is None and self.backend.wants_balanced_decode(seq_lens)
+        balanced = shared is None and step.balanced_decode
         key = (bs, "cascade" if shared is not None else "balanced" if balanced else "plain")
         if key not in self.graphs:
             self._capture_variant(*key)

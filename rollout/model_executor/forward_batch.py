@@ -56,8 +56,9 @@ class ForwardBatch:
     contributes ``extend_lens[i]`` tokens whose KV is written to ``out_cache_loc`` and which attend to
     its first ``seq_lens[i]`` cached tokens (listed in ``req_to_token[req_pool_indices[i]]``).
     ``shared_prefixes`` (decode, when the scheduler found some and the backend takes them): rows whose first
-    slots are the same; a backend without cascade decode ignores it. ``balanced_decode`` (a decode CUDA graph's
-    variant, ``AttentionBackend.wants_balanced_decode``): attention cuts the requests into pieces by length.
+    slots are the same; a backend without cascade decode ignores it. ``balanced_decode`` (decode, the scheduler's
+    ``StepInput.balanced_decode``; also a CUDA graph's variant): attention cuts the requests into pieces by
+    length where the backend can (``AttentionBackend.wants_balanced_decode`` said so for these lengths).
     """
 
     mode: ForwardMode

@@ -52,6 +52,7 @@ class StepInput:
     extend_lens: list[int]
     prompt_logprobs: "PromptLogprobsRequest | None" = None
     shared_prefixes: SharedPrefixes | None = None  # decode rows sharing a cached prefix (cascade decode)
+    balanced_decode: bool = False  # decode: the requests cut into pieces by length (wants_balanced_decode)
 
     def decode_pack(self, pin: bool = False) -> torch.Tensor:
         """Host int64 [4, B], contiguous: rows ``rows``, ``positions``, ``out_slots``, ``seq_lens`` (the
@@ -276,6 +277,7 @@ class ModelRunner:
             req_to_token=self.req_to_token.table,
             attn_backend=self.attn_backend,
             shared_prefixes=shared,
+            balanced_decode=step.balanced_decode,
         )
         self.attn_backend.init_forward_metadata(batch)
         return batch

@@ -93,7 +93,8 @@ class DecodeManager:
         slots = self.cache.alloc_decode(reqs)
         positions = [r.kv_len for r in reqs]
         seq_lens = [p + 1 for p in positions]
-        shared = None if self.balanced_decode(seq_lens) else \
+        balanced = self.balanced_decode(seq_lens)
+        shared = None if balanced else \
             self.prefixes(reqs, self.stats.prefill_tokens)  # prefill_tokens moves with every extend step
         return StepInput(ForwardMode.DECODE, [r.pool_row for r in reqs], None, positions, slots,
-                         seq_lens, [1] * len(reqs), shared_prefixes=shared)
+                         seq_lens, [1] * len(reqs), shared_prefixes=shared, balanced_decode=balanced)
