@@ -31,7 +31,7 @@ class AttentionSpec:
     max_batch_size: int = 1024
     max_context_len: int = 0
     page_size: int = 1
-    decode_balance_ratio: float = float("inf")
+    decode_balance_ratio: float = 4.0
 
     @property
     def max_kv_indices(self) -> int:
