@@ -159,6 +159,21 @@ def test_peaked_logits_skip_blocks_and_keep_results():
     assert all(torch.equal(a, b) for a, b in zip(small[::2], default[::2]))
 
 
+@pytest.mark.parametrize("scale", [0.01, 1.0, 60.0])
+def test_flat_and_wide_logits_through_the_per_entry_race_bound(scale):
+    """Random rows over many small blocks, where after the first blocks most are passed over by the per-entry
+    bound (flat rows: nearly every block; wide rows, |logits / T| up to ~4,000: the bound's relative slack):
+    tokens and ranks still equal the torch sampler's, at temperatures from 0.05 to 3, one chunk and several."""
+    V, B = 4096, 12
+    logits = randn(B, V, seed=21, scale=scale)
+    rows = [row(seed=SEEDS[i % len(SEEDS)] + i, output_len=POSITIONS[i % len(POSITIONS)] + 3 * i,
+                temperature=[0.05, 0.6, 1.0, 3.0][i % 4], logprobs_mode=["raw", "processed"][(i // 4) % 2])
+            for i in range(B)]
+    one = assert_matches_torch(logits, rows, block_size=32, num_chunks=1)
+    several = assert_matches_torch(logits, rows, block_size=32, num_chunks=5)
+    assert torch.equal(one[0], several[0]) and torch.equal(one[2], several[2])
+
+
 def test_sample_depends_only_on_own_row():
     V = 2500
     target = randn(1, V, seed=9)

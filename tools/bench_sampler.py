@@ -1,10 +1,11 @@
 """GPU time of the fused fast-path sampler and of the decode index build, against their previous versions.
 
-    python tools/bench_sampler.py [--old-sampler FILE]
+    python tools/bench_sampler.py [--old-sampler FILE] [--vocab 128256]
 
-Sampler: ``fused_sample`` on bf16 logits [B, 128,256] (Llama-3 vocabulary), random rows at temperature 0.6
-and greedy rows, at B = 1, 64, 256; tokens, ranks and logprobs are checked against the torch ``Sampler``.
-``--old-sampler`` times a previous ``triton_sampling.py`` (one program per row) on the same inputs.
+Sampler: ``fused_sample`` on bf16 logits [B, V] drawn as 2 x a standard normal (flat rows, as a random-weight
+model gives), random rows at temperature 0.6 and greedy rows, at B = 1, 64, 256; tokens, ranks and logprobs
+are checked against the torch ``Sampler``. ``--old-sampler`` times a previous ``rollout/kernels/sampling.py``
+(e.g. from another checkout) on the same inputs.
 Index build: ``write_kv_indices`` against the torch ``kv_indices_for`` (+ cumsum) at 256 x 1,500 tokens.
 Times per call: 20 back-to-back calls (CUDA events), median of 7.
 """
@@ -28,7 +29,6 @@ from rollout.layers.sampler import Sampler  # noqa: E402
 from rollout.layers.sampling_info import SamplingBatchInfo, SamplingRow  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 
-VOCAB = 128256
 
 
 def _rows(batch: int, greedy: bool) -> list[SamplingRow]:
@@ -43,21 +43,22 @@ def _load(path: str):
     return mod
 
 
-def bench_sampler(old) -> None:
+def bench_sampler(old, vocab: int) -> None:
     dev = torch.device("cuda")
     for batch in (1, 64, 256):
         for greedy in (False, True):
-            logits = (torch.randn(batch, VOCAB, device=dev) * 2).to(torch.bfloat16)
-            info = SamplingBatchInfo.build(_rows(batch, greedy), VOCAB, dev)
+            logits = (torch.randn(batch, vocab, device=dev) * 2).to(torch.bfloat16)
+            info = SamplingBatchInfo.build(_rows(batch, greedy), vocab, dev)
             args = (logits, info.temperatures, info.seeds, info.positions, info.is_greedy, info.use_processed)
             ref = Sampler()(logits, info)
             ids, lps, ranks = triton_sampling.fused_sample(*args)
             same = bool((ids == ref.next_token_ids).all() and (ranks == ref.ranks).all())
             err = (lps - ref.logprobs).abs().max().item()
-            line = (f"B {batch:3d} {'greedy' if greedy else 'T=0.6 '}: row-split {time_ms(lambda: triton_sampling.fused_sample(*args)) * 1e3:7.1f} us"
+            line = (f"V {vocab} B {batch:3d} {'greedy' if greedy else 'T=0.6 '}: fused_sample "
+                    f"{time_ms(lambda: triton_sampling.fused_sample(*args)) * 1e3:7.1f} us"
                     f" (tokens+ranks equal torch: {same}, logprob max err {err:.1e})")
             if old is not None:
-                line += f"; one program per row {time_ms(lambda: old.fused_sample(*args)) * 1e3:7.1f} us"
+                line += f"; --old-sampler {time_ms(lambda: old.fused_sample(*args)) * 1e3:7.1f} us"
             print(line, flush=True)
 
 
@@ -83,9 +84,10 @@ def bench_indices() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--old-sampler", default=None, help="a previous triton_sampling.py to time alongside")
+    ap.add_argument("--old-sampler", default=None, help="a previous rollout/kernels/sampling.py to time alongside")
+    ap.add_argument("--vocab", type=int, default=128256, help="vocabulary size (Llama-3 128,256; Qwen3 151,936)")
     args = ap.parse_args()
-    bench_sampler(_load(args.old_sampler) if args.old_sampler else None)
+    bench_sampler(_load(args.old_sampler) if args.old_sampler else None, args.vocab)
     bench_indices()
 
 

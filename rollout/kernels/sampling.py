@@ -7,8 +7,10 @@ fill the GPU at any batch size (see ``_chunk_layout``). Two launches, both over 
 1. ``_scan_kernel``: each program scans its chunk once: online max and sum-exp of the row's chosen
    distribution, the chunk's argmax of the logits (greedy rows) or of the exponential race
    ``logits / T - log(-log(U))`` (random rows, with the same hash as ``uniform_noise``), and the max of every
-   block. A block whose max cannot beat the chunk's race best so far skips the hash. The partials go to a
-   small float32 scratch tensor.
+   block. A block whose max cannot beat the chunk's race best so far skips the hash; one where no entry's
+   bound ``logits / T - log(1 - U)`` (``-log(U) >= 1 - U``) reaches it skips the two logs and the exact
+   division, which are most of the work, so flat distributions cost little more than peaked ones. The
+   partials go to a small float32 scratch tensor.
 2. ``_finish_kernel``: each program combines its row's S partials in a fixed order (so all programs of a
    row get bit-identical max, log-sum-exp and token; ties go to the lowest token id), and, on random rows,
    counts the entries of its own chunk that rank above the token, reading only the blocks whose max does,
@@ -42,6 +44,10 @@ _PROCESSED = tl.constexpr(2)  # race on logits / T; distribution log_softmax(log
 # U <= 1 - 2**-24, so E = -log(U) >= 5.96e-8 and -log(E) <= 16.64: a block whose max z = logits / T is
 # below best - 17 cannot win the race.
 _RACE_BOUND = tl.constexpr(17.0)
+# the per-entry bound's slack for rounding (x * (1 / T) against x / T, the approximate exp, the logs within an
+# ulp): an absolute part and one relative to |logits / T|, both far above the few ulps they cover
+_BOUND_SLACK = tl.constexpr(1e-3)
+_BOUND_SLACK_REL = tl.constexpr(1e-5)
 _BLOCK = 2048
 _PROGRAMS_PER_SM = 4    # chunk rule on CUDA: B x S programs >= this many per SM
 _INTERPRETER_CHUNKS = 4  # chunks per row off CUDA, so the CPU tests run the multi-chunk paths
@@ -114,8 +120,8 @@ def _argmax_update(v, offs, v_max, tok, best):
 
 
 @triton.jit
-def _scan_chunk(row_ptr, t, key, key2, blk_lo, blk_hi, V: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
-                NB: tl.constexpr):
+def _scan_chunk(row_ptr, t, inv_t, key, key2, blk_lo, blk_hi, V: tl.constexpr, MODE: tl.constexpr,
+                BLOCK: tl.constexpr, NB: tl.constexpr):
     """Loop over blocks [blk_lo, blk_hi) of a row (blk_lo < blk_hi) -> (tok, best, m, s, blk_max) of the
     chosen distribution y (logits, or logits / T for _PROCESSED) on that chunk: tok / best the argmax of the
     logits (greedy) or of the race, lowest id on ties (tok 0, best -inf when nothing beats -inf);
@@ -152,11 +158,21 @@ def _scan_chunk(row_ptr, t, key, key2, blk_lo, blk_hi, V: tl.constexpr, MODE: tl
             if MODE == _RAW:
                 z_max = tl.math.div_rn(y_max, t)  # division by T > 0 rounds monotonically
             if z_max + _RACE_BOUND >= best:  # else no entry of the block can reach the chunk's best
-                z = y
+                u = _uniform(offs, key, key2)
+                # score = z - log(-log(U)) <= z - log(1 - U) (1 - U is exact); the block's exact scores only
+                # where some entry's bound (z approximated by x * (1 / T), plus slack) reaches the best so far:
+                # elsewhere every score is below it and the argmax would not move
+                z_hat = y
                 if MODE == _RAW:
-                    z = tl.math.div_rn(x, t)
-                score = z - _log(-_log(_uniform(offs, key, key2)))
-                tok, best = _argmax_update(score, offs, tl.max(score, axis=0), tok, best)
+                    z_hat = x * inv_t
+                slack = _BOUND_SLACK + _BOUND_SLACK_REL * tl.abs(z_hat)
+                reach = (1.0 - u) <= tl.exp(z_hat - best + slack)  # best -inf: every finite entry reaches
+                if tl.max(reach.to(tl.int32), axis=0) > 0:
+                    z = y
+                    if MODE == _RAW:
+                        z = tl.math.div_rn(x, t)
+                    score = z - _log(-_log(u))
+                    tok, best = _argmax_update(score, offs, tl.max(score, axis=0), tok, best)
     return tok, best, m, tl.sum(acc, axis=0), blk_max
 
 
@@ -177,14 +193,15 @@ def _scan_kernel(logits_ptr, stride, temp_ptr, seed_ptr, pos_ptr, greedy_ptr, pr
     chunk = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
     t = tl.load(temp_ptr + row).to(tl.float32)
+    inv_t = 1.0 / t  # random rows only (T > 0): the race bound's approximate z
     key, key2 = _row_keys(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
     lo, hi = _chunk_blocks(chunk, blocks_per_chunk, V, BLOCK)
     if tl.load(greedy_ptr + row):
-        tok, best, m, s, blk_max = _scan_chunk(row_ptr, t, key, key2, lo, hi, V, _GREEDY, BLOCK, NB)
+        tok, best, m, s, blk_max = _scan_chunk(row_ptr, t, inv_t, key, key2, lo, hi, V, _GREEDY, BLOCK, NB)
     elif tl.load(processed_ptr + row):
-        tok, best, m, s, blk_max = _scan_chunk(row_ptr, t, key, key2, lo, hi, V, _PROCESSED, BLOCK, NB)
+        tok, best, m, s, blk_max = _scan_chunk(row_ptr, t, inv_t, key, key2, lo, hi, V, _PROCESSED, BLOCK, NB)
     else:
-        tok, best, m, s, blk_max = _scan_chunk(row_ptr, t, key, key2, lo, hi, V, _RAW, BLOCK, NB)
+        tok, best, m, s, blk_max = _scan_chunk(row_ptr, t, inv_t, key, key2, lo, hi, V, _RAW, BLOCK, NB)
     part_ptr += row * width
     tl.store(part_ptr + chunk, m)
     tl.store(part_ptr + n_chunks + chunk, s)
