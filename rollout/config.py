@@ -181,7 +181,8 @@ class EngineConfig:
     least this many times the mean cached tokens cuts each request into pieces by its length
     (``rollout.kernels.balanced_decode``), so one long request does not hold the step's attention up
     (default 4: at equal lengths the split kernel is up to 3% faster, with one request at 4x the mean or more
-    the pieces are 1.2-2.9x faster on whole decode steps, bf16 and float8 pools, docs/rl_rollouts.md; 0: every step; ``inf``: never).
+    the pieces are 1.2-2.9x faster on whole decode steps, bf16 and float8 pools, docs/rl_rollouts.md;
+    0: every step; ``inf``: never).
     ``page_size`` (SGLang's name): KV slots are handed out in pages of that many tokens, each request's
     tokens filling its pages in order, and the prefix cache shares whole pages only (default 1: any
     prefix is shared).

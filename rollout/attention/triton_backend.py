@@ -55,9 +55,9 @@ class TritonAttnBackend(AttentionBackend):
         # sized for max_batch_size requests (a larger decode batch raises in decode_attention)
         self.split_counters = torch.zeros(spec.max_batch_size * spec.num_kv_heads, dtype=torch.int32,
                                           device=spec.device)
-        # pieces beyond one a request (a finite decode_balance_ratio; 0: the split-KV kernel
-        # only, and no per-step look at the lengths) and each graph size's piece tables; float8 pools too get
-        # the 16-bit count (8 programs per SM), the setting measured on them (docs/rl_rollouts.md)
+        # pieces beyond one a request (0 for an infinite decode_balance_ratio: the split-KV kernel only, and no
+        # per-step look at the lengths) and each graph size's piece tables; float8 pools get the 16-bit count
+        # too (8 programs per SM), the setting measured on them (docs/rl_rollouts.md)
         balance = math.isfinite(spec.decode_balance_ratio)
         self.piece_programs = balanced_programs(spec.num_kv_heads, shared.num_sms) if balance else 0
         self.graph_pieces: dict[int, DecodePieces] = {}
