@@ -257,9 +257,9 @@ def format_grpo(report: dict[str, Any]) -> str:
              f"{w['output_sigma']}) capped at {w['output_len']}, temperature {w['temperature']}"]
     if "rollout" in report:
         s = report["rollout"]["total"]
-        lines.append(f"rollout: {s['output_tokens']} output tokens in {s['makespan_s']:.2f} s = {s['output_tok_s']:.1f} "
-                     f"tok/s; tail {s['tail_s']:.2f} s (< 1/4 of the slots busy); prefix-cache hit rate "
-                     f"{s['prefix_hit_rate']:.1%}; {report['rollout']['mixed_steps']} prefill steps mixed with decode; "
+        lines.append(f"rollout: {s['output_tokens']} output tokens in {s['makespan_s']:.2f} s = "
+                     f"{s['output_tok_s']:.1f} tok/s; tail {s['tail_s']:.2f} s (< 1/4 of the slots busy); "
+                     f"prefix-cache hit rate {s['prefix_hit_rate']:.1%}; {report['rollout']['mixed_steps']} prefill steps mixed with decode; "
                      f"{report['rollout']['retractions']} retractions; cascade decode: "
                      f"{report['rollout']['cascade_steps']} steps, "
                      f"{report['rollout']['cascade_rows'] / max(report['rollout']['decode_rows'], 1):.1%} of the "

@@ -4,10 +4,11 @@ kernel on for such steps (``decode_balance_ratio``) and off.
     python tools/exp_straggler.py [--preset qwen3-0.6b] [--batch 128] [--long 16384] [--short 1000] \
         [--output-len 256] [--ratios inf,4] [--groups 1] [--cascade on] [--kv-cache-dtype auto]
 
-For each cascade setting and ratio an engine (random-weight preset, CUDA graphs) generates the workload once untimed (so every graph
-variant the timed run replays is captured first), then once timed on fresh prompts: one prompt of ``--long``
-tokens and ``--batch - 1`` of ``--short`` (in ``--groups`` copies of each, as GRPO's samples of one prompt,
-which cascade decode reads once a group), each ``--output-len`` tokens with ``ignore_eos``. Prints the decode
+For each cascade setting and ratio an engine (random-weight preset, CUDA graphs) generates the workload once
+untimed (so every graph variant the timed run replays is captured first), then once timed on fresh prompts:
+one prompt of ``--long`` tokens and ``--batch - 1`` of ``--short`` (in ``--groups`` copies of each, as GRPO's
+samples of one prompt, which cascade decode reads once a group), each ``--output-len`` tokens with
+``ignore_eos``. Prints the decode
 seconds and mean step from the engine's step stats and the decode steps replayed from each graph variant.
 """
 
@@ -49,9 +50,11 @@ def run(args: argparse.Namespace, path: str, ratio: float, cascade: bool) -> Non
     decode = stats.get("decode") or {}
     steps = sum(e["steps"] for e in decode.values())
     seconds = sum(e["seconds"] for e in decode.values())
-    print(f"cascade {'on' if cascade else 'off'}, ratio {ratio}: {elapsed:.2f} s in all, decode {seconds:.2f} s over {steps} steps "
-          f"({1e3 * seconds / max(steps, 1):.2f} ms a step), prefill {stats.get('prefill', {}).get('seconds', 0):.2f} s; "
-          f"cascade steps {stats.get('cascade_steps', 0) - before.get('cascade_steps', 0)}; graph replays {stats.get('graph_replays')}", flush=True)
+    cascade_steps = stats.get("cascade_steps", 0) - before.get("cascade_steps", 0)
+    prefill_s = stats.get("prefill", {}).get("seconds", 0)
+    print(f"cascade {'on' if cascade else 'off'}, ratio {ratio}: {elapsed:.2f} s in all, decode {seconds:.2f} s over "
+          f"{steps} steps ({1e3 * seconds / max(steps, 1):.2f} ms a step), prefill {prefill_s:.2f} s; "
+          f"cascade steps {cascade_steps}; graph replays {stats.get('graph_replays')}", flush=True)
 
 
 def main() -> None:

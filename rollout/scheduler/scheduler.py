@@ -22,7 +22,7 @@ from rollout.io_struct import (AbortReq, ContinueGenerationReq, ControlReply, Co
                                ExpireUpdateSession, FinishReason, GenerateReq, GetLoadReq, GetStepStatsReq,
                                GetWeightStateReq, PauseGenerationReq, ReadOnlyReq, ShutdownReq, WeightUpdateReq)
 from rollout.model_executor.forward_batch import ForwardMode
-from rollout.model_executor.model_runner import ModelRunner, StepInput, StepOutput
+from rollout.model_executor.model_runner import ModelRunner, StepInput
 from rollout.scheduler.admission import NewTokenRatio
 from rollout.scheduler.cache import KVCacheManager
 from rollout.scheduler.decode import DecodeManager
