@@ -50,8 +50,9 @@ class AttentionBackend:
         return False
 
     def wants_balanced_decode(self, seq_lens: list[int]) -> bool:
-        """Whether a decode step over requests of these cached lengths should cut them into pieces by length
-        (``CudaGraphRunner`` then replays that variant of its graph; a backend without one says no)."""
+        """Whether a decode step over requests of these cached lengths should cut them into pieces by length (the
+        scheduler asks once per step and sends the answer as ``StepInput.balanced_decode``; a backend without
+        such a kernel says no)."""
         return False
 
     def reset_state(self) -> None:

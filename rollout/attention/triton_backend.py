@@ -96,12 +96,8 @@ class TritonAttnBackend(AttentionBackend):
             meta.shared_prefix = self._prefix_args(packed.to(self.spec.device, non_blocking=True), b, groups,
                                                    self._splits(groups))
         elif not cascade and batch.balanced_decode:
-            meta.pieces = self._plan(indptr, b, pieces or DecodePieces.new(b, self.piece_programs, self.spec.device))
+            meta.pieces = plan_pieces(indptr, b, pieces or DecodePieces.new(b, self.piece_programs, self.spec.device))
         return meta
-
-    def _plan(self, indptr: torch.Tensor, batch_size: int, pieces: DecodePieces) -> DecodePieces:
-        plan_pieces(indptr, batch_size, pieces)
-        return pieces
 
     def _pieces_of(self, state: DecodeGraphState) -> DecodePieces | None:
         """The fixed piece tables of a graph size (created on first use; None when the backend never cuts pieces)."""
@@ -148,7 +144,7 @@ class TritonAttnBackend(AttentionBackend):
                                                           pin=cuda), non_blocking=cuda)
         self._graph_prefix(batch, state)
         if batch.balanced_decode:
-            batch.attn_metadata.pieces = self._plan(state.indptr, state.batch_size, self._pieces_of(state))
+            batch.attn_metadata.pieces = plan_pieces(state.indptr, state.batch_size, self._pieces_of(state))
 
     def _graph_prefix(self, batch: "ForwardBatch", state: DecodeGraphState) -> None:
         """The cascade variant's stage 0 arguments over the graph's fixed buffer (stage 0 programs for about one

@@ -32,11 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.kernels.decode_attention import (DecodeLaunch, _attend, _query_tile, _store_partial, check_counters,
-                                              check_decode_inputs, default_launch)
+from rollout.kernels.decode_attention import (_LOG2E, DecodeLaunch, _attend, _query_tile, _store_partial,
+                                              check_counters, check_decode_inputs, default_launch)
 from rollout.kernels.pdl import pdl_launch, pdl_prologue
 
-_LOG2E = 1.4426950408889634
 _PLAN_BLOCK = 1024
 
 
@@ -92,12 +91,15 @@ def _plan_kernel(kv_indptr, batch, programs, min_chunk, first, owner, owners, BL
         tl.store(owner + r, -1, mask=r < owners)
 
 
-def plan_pieces(kv_indptr: torch.Tensor, batch_size: int, pieces: DecodePieces, min_chunk: int = 256) -> None:
-    """Writes ``pieces`` for the ``batch_size`` requests of ``kv_indptr`` (one launch, no host sync)."""
+def plan_pieces(kv_indptr: torch.Tensor, batch_size: int, pieces: DecodePieces, min_chunk: int = 256
+                ) -> DecodePieces:
+    """Writes ``pieces`` for the ``batch_size`` requests of ``kv_indptr`` (one launch, no host sync) and returns
+    them."""
     if pieces.first.numel() < batch_size + 1 or pieces.owner.numel() < batch_size + pieces.programs:
         raise ValueError(f"pieces tables too small for {batch_size} requests")
     _plan_kernel[(1,)](kv_indptr, batch_size, pieces.programs, min_chunk, pieces.first, pieces.owner,
                        batch_size + pieces.programs, BLOCK=_PLAN_BLOCK, num_warps=4)
+    return pieces
 
 
 @triton.jit

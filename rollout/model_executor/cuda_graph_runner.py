@@ -135,12 +135,11 @@ class CudaGraphRunner:
         b = len(step.rows)
         bs = self._padded(b)
         shared = step.shared_prefixes if self.shared_prefix and bs >= 2 else None
-        seq_lens = list(step.seq_lens)
         balanced = shared is None and step.balanced_decode
         key = (bs, "cascade" if shared is not None else "balanced" if balanced else "plain")
         if key not in self.graphs:
             self._capture_variant(*key)
-        batch = self._batch(bs, seq_lens + [1] * (bs - b), shared, balanced)
+        batch = self._batch(bs, list(step.seq_lens) + [1] * (bs - b), shared, balanced)
         self.backend.prepare_graph_replay(batch, self.states[bs], packed, last_token_ids)
         self.graphs[key].replay()
         self.replays[key[1]] = self.replays.get(key[1], 0) + 1
