@@ -79,12 +79,16 @@ def run_engine(args: argparse.Namespace, model_path: str, device: str, dtype: st
             raise ValueError(f"a request needs {longest} tokens but the engine's context is {engine.context_len}")
         if args.warmup:
             _engine_warmup(engine, work, args)
-        engine.get_step_stats(reset=True)
+        launched = engine.get_step_stats(reset=True)["launched_steps"]
+        if args.profile:
+            trace = _start_profile(engine, args, launched)
         params = [_sampling(n, args.temperature) for n in work.output_lens]
         start = time.perf_counter()
         outs = engine.generate(prompt_token_ids=work.prompts, sampling_params=params, use_tqdm=True)
         elapsed = time.perf_counter() - start
         stats = engine.get_step_stats(reset=True)
+        if args.profile:
+            _report_profile(engine, trace, stats["launched_steps"] - launched)
         produced = sum(len(c.token_ids) for o in outs for c in o.outputs)
         run = EngineRun(RunResult(len(outs), work.input_tokens, produced, elapsed), steady_step(stats),
                         context_len=engine.context_len, kv_tokens=engine.get_server_info()["max_total_tokens"],
@@ -92,6 +96,32 @@ def run_engine(args: argparse.Namespace, model_path: str, device: str, dtype: st
         if args.batch1_steps:
             run.batch1 = _batch1_probe(engine, work, args)
     return run
+
+
+def _start_profile(engine: Any, args: argparse.Namespace, launched: int) -> str:
+    """Arm ``Engine.start_profile`` for the timed run's steps ``--profile-start-step`` onwards -> rank 0's trace."""
+    activities = args.profile_activities.split(",") if args.profile_activities else None
+    out = engine.start_profile(output_dir=args.profile_dir, start_step=launched + args.profile_start_step,
+                               num_steps=args.profile_num_steps, activities=activities,
+                               profile_id=f"bench-{time.time():.0f}")
+    return out["traces"][0]
+
+
+def _report_profile(engine: Any, trace: str, steps: int) -> None:
+    """Print where the profiled steps' GPU time went (``benchmarks.trace_gaps``); stops a profile still open."""
+    import os
+
+    from benchmarks.trace_gaps import format_summary, load_events, summarize
+
+    try:
+        engine.stop_profile()
+    except ValueError:  # it ended by itself after --profile-num-steps
+        pass
+    if not os.path.exists(trace):
+        print(f"profile: no trace written (the timed run had {steps} steps)", flush=True)
+        return
+    print(f"profile: {trace}", flush=True)
+    print(format_summary(summarize(load_events(trace))), flush=True)
 
 
 def _engine_warmup(engine: Any, work: Workload, args: argparse.Namespace) -> None:

@@ -177,35 +177,17 @@ def main() -> None:
 
 
 def print_gaps(prof, top: int = 12) -> None:
-    """The GPU timeline of the profiled window: busy vs idle, and the idle time summed by the pair of
-    kernels around it (the largest first)."""
-    import collections
+    """The profiled window's GPU busy and idle time, idle summed by the pair of kernels around it
+    (``benchmarks.trace_gaps``)."""
     import json
     import tempfile
+
+    from benchmarks.trace_gaps import format_summary, summarize
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
-    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
-    if not kernels:
-        return
-    span = kernels[-1][1] - kernels[0][0]
-    busy = sum(end - start for start, end, _ in kernels)
-    by_pair: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    end_prev, name_prev = kernels[0][1], kernels[0][2]
-    for start, end, name in kernels[1:]:
-        if start > end_prev:
-            entry = by_pair[(name_prev[:40], name[:40])]
-            entry[0] += start - end_prev
-            entry[1] += 1
-        if end > end_prev:
-            end_prev, name_prev = end, name
-    idle = sum(v[0] for v in by_pair.values())
-    print(f"GPU timeline: {len(kernels)} kernels/copies over {span / 1000:.2f} ms, busy {busy / 1000:.2f} ms, "
-          f"idle {idle / 1000:.2f} ms")
-    for (a, b_), (t, c) in sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:top]:
-        print(f"  idle {t / 1000:7.3f} ms in {c:5d} gaps: {a} -> {b_}")
+    print(format_summary(summarize(events), top))
 
 
 if __name__ == "__main__":

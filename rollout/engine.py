@@ -9,6 +9,7 @@ that runs it (``rollout.weights.sync.WeightSync`` for weights).
 from __future__ import annotations
 
 import atexit
+import os
 import weakref
 from typing import Any, AsyncIterator, Iterator, Sequence
 
@@ -20,7 +21,7 @@ from rollout.io_struct import (BenchmarkReceiveReq, ContinueGenerationReq, Contr
                                FlushCacheReq, GetLoadReq, GetMemoryStateReq, GetStepStatsReq, GetWeightsByNameReq,
                                GetWeightStateReq, GetWeightVersionReq, InitProcessGroupReq, PauseGenerationReq,
                                ReleaseMemoryOccupationReq, ResumeMemoryOccupationReq, RollbackWeightsReq,
-                               UpdateWeightReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq,
+                               StartProfileReq, StopProfileReq, UpdateWeightReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq,
                                UpdateWeightsFromTensorReq, UpdateWeightVersionReq, WeightsFingerprintReq)
 from rollout.launcher import launch
 from rollout.outputs import RequestOutput
@@ -142,6 +143,24 @@ class Engine:
         """Scheduler timings (decode steps by batch size, prefill totals, decode steps per CUDA graph variant in
         ``graph_replays``); ``reset`` starts a new window."""
         return self._call(GetStepStatsReq(reset=reset))
+
+    def start_profile(self, output_dir: str | None = None, start_step: int | None = None,
+                      num_steps: int | None = None, activities: list[str] | None = None, with_stack: bool = False,
+                      record_shapes: bool = False, profile_id: str | None = None) -> dict[str, Any]:
+        """SGLang's call: record a torch.profiler trace of the schedulers' steps, one file per TP rank
+        (``{output_dir}/{profile_id}-TP-{rank}.trace.json.gz``; ``output_dir`` defaults to
+        ``$ROLLOUT_TORCH_PROFILER_DIR`` or /tmp). It starts at scheduler step ``start_step``
+        (``get_step_stats()["launched_steps"]`` counts them; None: the next step) and ends after ``num_steps``
+        steps or at ``stop_profile``. ``activities``: "CPU", "GPU" (default: both on CUDA). Returns
+        ``{"traces": [paths], "start_step": n}``."""
+        output_dir = os.path.abspath(output_dir or os.environ.get("ROLLOUT_TORCH_PROFILER_DIR") or "/tmp")
+        return self._call(StartProfileReq(output_dir=output_dir, start_step=start_step, num_steps=num_steps,
+                                          activities=activities, with_stack=with_stack, record_shapes=record_shapes,
+                                          profile_id=profile_id or ""))
+
+    def stop_profile(self) -> dict[str, Any]:
+        """End the profile now and write the traces -> ``{"trace": rank 0's path, "steps": steps recorded}``."""
+        return self._call(StopProfileReq())
 
     # ---- colocation: sleep / wake_up (docs/colocation.md; needs enable_memory_saver=True) -------
 

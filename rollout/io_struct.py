@@ -191,6 +191,27 @@ class GetMemoryStateReq(ReadOnlyReq):
     pass
 
 
+@dataclass(kw_only=True)
+class StartProfileReq(ReadOnlyReq):
+    """SGLang's ``start_profile`` fields: a torch.profiler trace of this rank's steps (it only adds recording,
+    so it may start while a step is in flight). ``start_step`` is the scheduler's step count to start at (at
+    once when None or already past); ``num_steps`` stops it by itself after that many steps (None: at
+    ``StopProfileReq``)."""
+
+    output_dir: str
+    start_step: int | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    with_stack: bool = False
+    record_shapes: bool = False
+    profile_id: str = ""
+
+
+@dataclass(kw_only=True)
+class StopProfileReq(ReadOnlyReq):
+    pass
+
+
 @dataclass
 class ControlReply:
     cid: int

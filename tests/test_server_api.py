@@ -364,6 +364,20 @@ def test_control_calls_through_the_client(server, engine):
         EngineClient(server.url, api_key="wrong").get_weight_version()
 
 
+def test_start_and_stop_profile_over_http(http, tmp_path):
+    r = http.post("/start_profile", json={"output_dir": str(tmp_path), "profile_id": "http", "activities": ["CPU"]})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert r.json()["traces"] == [str(tmp_path / "http-TP-0.trace.json.gz")]
+    body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    assert http.post("/generate", json=body).status_code == 200
+    r = http.post("/stop_profile")
+    assert r.status_code == 200 and r.json()["steps"] == 3 and (tmp_path / "http-TP-0.trace.json.gz").exists()
+    r = http.post("/stop_profile")
+    assert r.status_code == 400 and "no profile is running" in r.text
+    r = http.post("/start_profile", json={"activities": ["GPU"]})
+    assert r.status_code == 400 and "needs an engine on CUDA" in r.text
+
+
 def test_metrics_parse_and_move_with_traffic(http):
     before = metrics(http)
     for name in ("rollout_num_running_reqs", "rollout_num_queue_reqs", "rollout_kv_cache_usage",

@@ -13,7 +13,7 @@ import zmq
 from rollout.child_entry import orphaned
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
-from rollout.io_struct import ControlReply, ExpireUpdateSession, SchedulerError, ShutdownReq
+from rollout.io_struct import ControlReply, ExpireUpdateSession, SchedulerError
 from rollout.ipc import IPCPaths, socket
 from rollout.logging_utils import configure, dump_stacks_periodically
 from rollout.scheduler.scheduler import Scheduler

@@ -29,6 +29,7 @@ from rollout.scheduler.decode import DecodeManager
 from rollout.scheduler.memory import MemoryOccupation
 from rollout.scheduler.output import BackgroundTokenizer, OutputManager
 from rollout.scheduler.prefill import PrefillManager
+from rollout.scheduler.profiler import StepProfiler
 from rollout.scheduler.req import Req
 from rollout.scheduler.results import LaunchedStep, ResultProcessor
 from rollout.scheduler.sampling import SamplingInfoCache
@@ -82,16 +83,20 @@ class Scheduler:
         self.in_flight: LaunchedStep | None = None
         self._last_done = 0.0  # when the previous step's results reached the host
         self.sampling = SamplingInfoCache(self.runner, model_cfg.eos_token_ids)
+        self.profiler = StepProfiler(tp.rank, tp.size, device)
         self.results = ResultProcessor(self.running, self.cache, self.prefill, self.outputs, self.stats, self.tokenizer)
         self.control_handlers: dict[type, Callable[[Any], Any]] = {
             GetLoadReq: self.get_load, GetStepStatsReq: self.get_step_stats,
             GetWeightStateReq: self.get_weight_state, PauseGenerationReq: self.pause_generation,
-            ContinueGenerationReq: self.continue_generation, **self.weights.handlers(), **self.memory.handlers()}
+            ContinueGenerationReq: self.continue_generation, **self.weights.handlers(), **self.memory.handlers(),
+            **self.profiler.handlers()}
 
     def get_step_stats(self, req: GetStepStatsReq) -> dict[str, Any]:
         """``SchedulerStats.snapshot``, plus the decode steps replayed from each CUDA graph variant ("plain",
-        "cascade", "balanced"; empty without graphs)."""
+        "cascade", "balanced"; empty without graphs) and ``launched_steps``, the step count ``start_profile``'s
+        ``start_step`` refers to."""
         out = self.stats.snapshot(req.reset)
+        out["launched_steps"] = self.profiler.steps
         graphs = self.runner.graph_runner
         out["graph_replays"] = dict(graphs.replays) if graphs is not None else {}
         if req.reset and graphs is not None:
@@ -121,6 +126,8 @@ class Scheduler:
             self.fail_held_requests()
         elif isinstance(msg, ShutdownReq):
             self.weights.opened.clear()  # unmap a colocated trainer's tensors now: it may outlive this process
+            if self.profiler.window is not None:  # an open profile is written, not lost
+                self.profiler.stop()
             self.stopped = True
 
     def add_request(self, msg: GenerateReq) -> None:
@@ -300,6 +307,7 @@ class Scheduler:
             req.inflight_tokens += 1
         want = inputs.prompt_logprobs
         prompt_lp_reqs = [(r, n) for r, n in zip(reqs, want.counts) if n] if want is not None else []
+        self.profiler.on_launch()
         start = time.perf_counter()
         return LaunchedStep(inputs, sampled, self.runner.run_step(inputs, index, info), start, prompt_lp_reqs,
                             self.weights.weight_version)

@@ -3,7 +3,7 @@
 Weight updates map onto the Engine's calls (docs/weight_sync.md): ``/init_weights_update_group``,
 ``/update_weights_from_distributed``, ``/update_weights_from_disk``, ``/destroy_weights_update_group``;
 control: ``/flush_cache``, ``/pause_generation``, ``/continue_generation``, ``/get_weight_version``,
-``/update_weight_version``, ``/abort_request``; verification: ``/get_weights_by_name``,
+``/update_weight_version``, ``/abort_request``, ``/start_profile``, ``/stop_profile``; verification: ``/get_weights_by_name``,
 ``/weights_fingerprint``, ``/get_weight_state``, ``/rollback_weights``. A bad call is a 400 (nothing is
 loaded), a failed transfer a 500; both carry the engine's message. On a non-loopback bind without an
 API key every one of them answers 403.
@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from rollout.server.errors import APIError
 from rollout.server.protocol import (AbortRequest, DestroyWeightsUpdateGroupRequest, EmptyRequest,
                                      GetWeightsByNameRequest, InitWeightsUpdateGroupRequest, PauseGenerationRequest,
-                                     UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
+                                     StartProfileRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
                                      UpdateWeightVersionRequest)
 from rollout.server.state import ServerState
 
@@ -178,6 +178,20 @@ def _abort_all(state: ServerState) -> int:
     for rid in rids:
         state.engine.abort(rid)
     return len(rids)
+
+
+@router.api_route("/start_profile", methods=["GET", "POST"])
+async def start_profile(request: Request, body: StartProfileRequest | None = None) -> dict[str, Any]:
+    state = _state(request)
+    out = await _run(state.call(state.engine.start_profile, **(body or StartProfileRequest()).model_dump()))
+    return _ok("Start profiling.", **out)
+
+
+@router.api_route("/stop_profile", methods=["GET", "POST"])
+async def stop_profile(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    out = await _run(state.call(state.engine.stop_profile))
+    return _ok("Stopped profiling; the traces are written.", **out)
 
 
 # ---- verification ---------------------------------------------------------------------------------

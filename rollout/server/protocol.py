@@ -192,6 +192,18 @@ class PauseGenerationRequest(Body):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
+class StartProfileRequest(Body):
+    """SGLang's ``/start_profile`` fields (``Engine.start_profile``)."""
+
+    output_dir: str | None = None
+    start_step: int | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    with_stack: bool = False
+    record_shapes: bool = False
+    profile_id: str | None = None
+
+
 class EmptyRequest(Body):
     """A control call with no arguments (the body may be omitted)."""
 
