@@ -18,6 +18,8 @@ NEG_INF = float("-inf")
 
 
 def row(seed=0, output_len=None, prompt=(), output=(), eos=(), **params) -> SamplingRow:
+    """A request row; it asks for logprobs (so ranks are counted) unless ``logprobs=None`` is passed."""
+    params.setdefault("logprobs", 0)
     output = list(output)
     return SamplingRow(params=SamplingParams(**params), seed=seed,
                        output_len=len(output) if output_len is None else output_len,
@@ -398,6 +400,10 @@ def test_top_logprobs_and_ranks_from_chosen_distribution():
     # A raw-mode random row usually samples something other than the mode, with rank > 1 somewhere.
     many = run(randn(1, V, seed=12).expand(64, V).contiguous(), [row(seed=s, temperature=1.5) for s in range(64)])
     assert (many.ranks > 1).any()
+    # no row asks for logprobs: ranks are not counted (outputs without logprobs carry none); tokens are the same
+    quiet = run(randn(1, V, seed=12).expand(64, V).contiguous(),
+                [row(seed=s, temperature=1.5, logprobs=None) for s in range(64)])
+    assert quiet.ranks.tolist() == [1] * 64 and torch.equal(quiet.next_token_ids, many.next_token_ids)
 
 
 def test_mixed_batch():

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from triton_interpreter import DEVICE  # first: sets up the interpreter before triton is imported
 
+import dataclasses  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -22,6 +24,8 @@ POSITIONS = [0, 5, 2**33 + 1, 123, 7]
 
 
 def row(seed=0, output_len=0, **params) -> SamplingRow:
+    """A request row; it asks for logprobs (so its rank is counted) unless ``logprobs=None`` is passed."""
+    params.setdefault("logprobs", 0)
     return SamplingRow(params=SamplingParams(**params), seed=seed, output_len=output_len,
                        prompt_token_ids=[], output_token_ids=[], eos_token_ids=[])
 
@@ -46,7 +50,8 @@ def build(rows, vocab_size: int) -> SamplingBatchInfo:
 
 def fused(logits: torch.Tensor, info: SamplingBatchInfo, block_size=None, num_chunks=None):
     return triton_sampling.fused_sample(logits, info.temperatures, info.seeds, info.positions, info.is_greedy,
-                                        info.use_processed, block_size=block_size, num_chunks=num_chunks)
+                                        info.use_processed, count_ranks=info.need_ranks, block_size=block_size,
+                                        num_chunks=num_chunks)
 
 
 def assert_matches_torch(logits: torch.Tensor, rows, block_size=None, num_chunks=None):
@@ -172,6 +177,25 @@ def test_flat_and_wide_logits_through_the_per_entry_race_bound(scale):
     one = assert_matches_torch(logits, rows, block_size=32, num_chunks=1)
     several = assert_matches_torch(logits, rows, block_size=32, num_chunks=5)
     assert torch.equal(one[0], several[0]) and torch.equal(one[2], several[2])
+
+
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_ranks_are_counted_only_when_some_row_asks_for_logprobs(num_chunks):
+    logits = randn(12, 3000, seed=11)
+    rows = [dataclasses_replace(r, logprobs=None) for r in mixed_rows(12, salt=4)]
+    info = build(rows, 3000)
+    assert not info.need_ranks
+    counted = assert_matches_torch(logits, mixed_rows(12, salt=4), num_chunks=num_chunks)
+    ids, logprobs, ranks = assert_matches_torch(logits, rows, num_chunks=num_chunks)
+    assert ranks.tolist() == [1] * 12 and max(counted[2].tolist()) > 1
+    assert ids.tolist() == counted[0].tolist() and logprobs.tolist() == counted[1].tolist()
+    one = rows[:-1] + mixed_rows(12, salt=4)[-1:]  # one row with logprobs: every row's rank is counted
+    assert build(one, 3000).need_ranks
+    assert assert_matches_torch(logits, one, num_chunks=num_chunks)[2].tolist() == counted[2].tolist()
+
+
+def dataclasses_replace(r: SamplingRow, **params) -> SamplingRow:
+    return dataclasses.replace(r, params=dataclasses.replace(r.params, **params))
 
 
 def test_sample_depends_only_on_own_row():

@@ -14,7 +14,8 @@ fill the GPU at any batch size (see ``_chunk_layout``). Two launches, both over 
 2. ``_finish_kernel``: each program combines its row's S partials in a fixed order (so all programs of a
    row get bit-identical max, log-sum-exp and token; ties go to the lowest token id), and, on random rows,
    counts the entries of its own chunk that rank above the token, reading only the blocks whose max does,
-   and adds the count to the row's rank atomically. Chunk 0 stores the token and its logprob.
+   and adds the count to the row's rank atomically (unless ``count_ranks`` is off: only outputs with logprobs
+   carry ranks). Chunk 0 stores the token and its logprob.
 
 Greedy rows need no count (their token is the argmax of the raw distribution, so its rank is 1).
 """
@@ -255,9 +256,9 @@ def _count_above(row_ptr, t, m, lse, lp_tok, blk_max, lo, hi, V: tl.constexpr, M
 
 @triton.jit
 def _finish_chunk(row_ptr, t, part_ptr, tok_ptr, ids_ptr, lp_ptr, rank_ptr, chunk, n_chunks, blocks_per_chunk,
-                  V: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
+                  V: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, COUNT: tl.constexpr):
     """Program (row, chunk) of a row in mode ``MODE``: the row's token and logprob (stored by chunk 0) and,
-    on random rows, the chunk's entries above the token added to ``rank_ptr``."""
+    on random rows with ``COUNT``, the chunk's entries above the token added to ``rank_ptr``."""
     tok, m, lse = _combine(part_ptr, tok_ptr, n_chunks, NB)
     y_tok = tl.load(row_ptr + tok).to(tl.float32)
     if MODE == _PROCESSED:
@@ -266,7 +267,7 @@ def _finish_chunk(row_ptr, t, part_ptr, tok_ptr, ids_ptr, lp_ptr, rank_ptr, chun
     if chunk == 0:
         tl.store(ids_ptr, tok)
         tl.store(lp_ptr, lp_tok)
-    if MODE != _GREEDY:
+    if MODE != _GREEDY and COUNT:
         lo, hi = _chunk_blocks(chunk, blocks_per_chunk, V, BLOCK)
         blk_ids = tl.arange(0, NB)
         blk_max = tl.load(part_ptr + 4 * n_chunks + blk_ids, mask=(blk_ids >= lo) & (blk_ids < hi),
@@ -278,8 +279,9 @@ def _finish_chunk(row_ptr, t, part_ptr, tok_ptr, ids_ptr, lp_ptr, rank_ptr, chun
 @triton.jit(do_not_specialize=["width", "n_chunks", "blocks_per_chunk"])  # one compile for every batch size
 def _finish_kernel(logits_ptr, stride, temp_ptr, greedy_ptr, processed_ptr, part_ptr, tok_ptr, ids_ptr, lp_ptr,
                    rank_ptr, width, n_chunks, blocks_per_chunk, V: tl.constexpr, BLOCK: tl.constexpr,
-                   NB: tl.constexpr):
-    """Program (row, chunk) after ``_scan_kernel``; greedy rows need only their chunk 0 (rank stays 1)."""
+                   NB: tl.constexpr, COUNT: tl.constexpr):
+    """Program (row, chunk) after ``_scan_kernel``; greedy rows, and every row without ``COUNT``, need only their
+    chunk 0 (rank stays 1)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
@@ -292,13 +294,14 @@ def _finish_kernel(logits_ptr, stride, temp_ptr, greedy_ptr, processed_ptr, part
     if tl.load(greedy_ptr + row):
         if chunk == 0:
             _finish_chunk(row_ptr, t, part_ptr, tok_ptr, ids_ptr, lp_ptr, rank_ptr, chunk, n_chunks,
-                          blocks_per_chunk, V, _GREEDY, BLOCK, NB)
+                          blocks_per_chunk, V, _GREEDY, BLOCK, NB, False)
     elif tl.load(processed_ptr + row):
+        if COUNT or chunk == 0:
+            _finish_chunk(row_ptr, t, part_ptr, tok_ptr, ids_ptr, lp_ptr, rank_ptr, chunk, n_chunks,
+                          blocks_per_chunk, V, _PROCESSED, BLOCK, NB, COUNT)
+    elif COUNT or chunk == 0:
         _finish_chunk(row_ptr, t, part_ptr, tok_ptr, ids_ptr, lp_ptr, rank_ptr, chunk, n_chunks, blocks_per_chunk,
-                      V, _PROCESSED, BLOCK, NB)
-    else:
-        _finish_chunk(row_ptr, t, part_ptr, tok_ptr, ids_ptr, lp_ptr, rank_ptr, chunk, n_chunks, blocks_per_chunk,
-                      V, _RAW, BLOCK, NB)
+                      V, _RAW, BLOCK, NB, COUNT)
 
 
 def _chunk_layout(batch: int, num_blocks: int, device: torch.device, num_chunks: int | None = None) -> tuple[int, int]:
@@ -317,8 +320,9 @@ def _chunk_layout(batch: int, num_blocks: int, device: torch.device, num_chunks:
 
 
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                 is_greedy: torch.Tensor, use_processed: torch.Tensor, *, block_size: int | None = None,
-                 num_chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 is_greedy: torch.Tensor, use_processed: torch.Tensor, *, count_ranks: bool = True,
+                 block_size: int | None = None, num_chunks: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (next_token_ids int64 [B], logprobs float32 [B], ranks int64 [B])
 
     ``Sampler.forward`` for a batch on the fast path (no penalties, top-k, top-p, min-p or top logprobs), in
@@ -330,7 +334,8 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.
     Greedy rows: token = argmax(logits), lowest index on ties; logprob in the raw distribution; rank 1.
     Random rows: token = argmax(logits / T - log(-log(U))) with U = ``uniform_noise(seeds, positions, V)``;
     logprob and rank in the raw distribution log_softmax(logits), or in log_softmax(logits / T) when
-    ``use_processed``; rank = 1 + number of entries strictly above the token's. ``block_size`` (a power of
+    ``use_processed``; rank = 1 + number of entries strictly above the token's (1 without ``count_ranks``,
+    which saves the second read of the logits above the token). ``block_size`` (a power of
     two) overrides the tile each program loops over, and ``num_chunks`` the number of programs each row is
     split over (see ``_chunk_layout``), for tests and tuning; tokens and ranks do not depend on either.
     """
@@ -356,7 +361,8 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.
                   NB=triton.next_power_of_2(num_blocks), num_warps=8 if block >= 2048 else 4)
     _scan_kernel[(B, chunks)](*rows, seeds.contiguous(), positions.contiguous(), *flags, scratch,
                               scratch.view(torch.int32), ranks, **layout)
-    _finish_kernel[(B, chunks)](*rows, *flags, scratch, scratch.view(torch.int32), ids, logprobs, ranks, **layout)
+    _finish_kernel[(B, chunks if count_ranks else 1)](*rows, *flags, scratch, scratch.view(torch.int32), ids, logprobs,
+                                                      ranks, COUNT=count_ranks, **layout)
     return ids, logprobs, ranks
 
 

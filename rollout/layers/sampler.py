@@ -38,7 +38,8 @@ class SamplerOutput:
 
     ``next_token_ids`` [B] int64. ``logprobs`` [B] float32: logprob of the sampled token in the row's chosen
     distribution (raw or processed, per ``params.logprobs_mode``). ``ranks`` [B] int64: 1 + number of vocab
-    entries with strictly greater logprob in that distribution. ``top_logprob_ids`` / ``top_logprobs``
+    entries with strictly greater logprob in that distribution (1 everywhere when no row asked for logprobs,
+    ``SamplingBatchInfo.need_ranks``: only outputs with logprobs carry ranks). ``top_logprob_ids`` / ``top_logprobs``
     [B, K] with K = the largest ``params.logprobs`` in the batch (None when every row asks for None or 0);
     a row that asked for k < K should keep only its first k columns (sorted by descending logprob).
     """
@@ -209,7 +210,8 @@ class Sampler(torch.nn.Module):
         from rollout.kernels.sampling import fused_sample
 
         self.fused_steps += 1
-        out = fused_sample(logits, info.temperatures, info.seeds, info.positions, info.is_greedy, info.use_processed)
+        out = fused_sample(logits, info.temperatures, info.seeds, info.positions, info.is_greedy, info.use_processed,
+                           count_ranks=info.need_ranks)
         return SamplerOutput(*out, top_logprob_ids=None, top_logprobs=None)
 
     @staticmethod
@@ -233,7 +235,7 @@ class Sampler(torch.nn.Module):
     def _finish(next_ids: torch.Tensor, chosen: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
         """Gather the sampled logprob, its rank and the top-K from the chosen distribution."""
         token_lp = chosen.gather(1, next_ids[:, None])
-        ranks = (chosen > token_lp).sum(dim=-1) + 1
+        ranks = (chosen > token_lp).sum(dim=-1) + 1 if info.need_ranks else torch.ones_like(next_ids)
         ids, values = _top_logprobs(chosen, info.max_top_logprobs)
         return SamplerOutput(next_token_ids=next_ids, logprobs=token_lp.squeeze(1), ranks=ranks,
                              top_logprob_ids=ids, top_logprobs=values)

@@ -44,7 +44,8 @@ class SamplingBatchInfo:
     each token in the output; rows without frequency/presence penalty are all 0). ``ban_rows`` /
     ``ban_cols`` (int64 index pairs set to -inf by min_new_tokens, or None).
     Flags: ``all_greedy``, ``any_greedy``, ``need_top_k_top_p``, ``need_min_p``, ``any_processed``,
-    ``all_processed``, ``max_top_logprobs`` (K of the output top-logprobs, 0 = none).
+    ``all_processed``, ``max_top_logprobs`` (K of the output top-logprobs, 0 = none), ``need_ranks`` (some row
+    asked for logprobs, whose outputs carry the sampled token's rank; else ranks are not counted).
     """
 
     temperatures: torch.Tensor
@@ -70,6 +71,7 @@ class SamplingBatchInfo:
     any_processed: bool
     all_processed: bool
     max_top_logprobs: int
+    need_ranks: bool = True
 
     @property
     def has_penalties(self) -> bool:
@@ -138,6 +140,7 @@ class SamplingBatchInfo:
             any_processed=any(processed),
             all_processed=all(processed),
             max_top_logprobs=k,
+            need_ranks=any(p.logprobs is not None for p in ps),
         )
 
 
