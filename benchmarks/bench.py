@@ -114,7 +114,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the timed run's step (prefill steps included) the trace starts at")
     p.add_argument("--profile-num-steps", type=int, default=10)
     p.add_argument("--profile-activities", default=None,
-                   help="comma-separated: CPU, GPU (default both on CUDA); GPU alone adds no host-side cost")
+                   help="comma-separated: CPU, GPU (default both on CUDA); GPU alone adds the least host-side cost")
+    p.add_argument("--profile-with-stack", action="store_true", help="record Python stacks of the host's ops")
     args = p.parse_args(argv)
     _check_args(p, args)
     return args

@@ -103,6 +103,7 @@ def _start_profile(engine: Any, args: argparse.Namespace, launched: int) -> str:
     activities = args.profile_activities.split(",") if args.profile_activities else None
     out = engine.start_profile(output_dir=args.profile_dir, start_step=launched + args.profile_start_step,
                                num_steps=args.profile_num_steps, activities=activities,
+                               with_stack=args.profile_with_stack,
                                profile_id=f"bench-{time.time():.0f}")
     return out["traces"][0]
 

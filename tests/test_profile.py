@@ -59,7 +59,9 @@ def test_profile_until_stopped_counts_its_steps(engine, tmp_path):
     _generate(engine, 5)  # one prefill step and four decode steps
     out = engine.stop_profile()
     assert out == {"trace": str(tmp_path / "open-TP-0.trace.json.gz"), "steps": 5}
-    assert load_events(out["trace"])
+    names = {e["name"] for e in load_events(out["trace"]) if e.get("cat") == "user_annotation"}
+    # the scheduler's phases, as named ranges
+    assert {"launch extend 1 rows", "launch decode 1 rows", "schedule decode", "wait", "results", "emit"} <= names
 
 
 def test_profile_defaults_to_the_env_dir(engine, tmp_path, monkeypatch):

@@ -104,8 +104,9 @@ class SchedulerLoop:
     def run(self) -> None:
         try:
             while not self.scheduler.stopped:
-                for msg in self.receive():
-                    self.scheduler.handle(msg)
+                with self.scheduler.profiler.scope("receive"):
+                    for msg in self.receive():
+                        self.scheduler.handle(msg)
                 if self.scheduler.busy and not self.scheduler.stopped:
                     self.scheduler.step()
                 else:

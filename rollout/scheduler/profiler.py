@@ -4,6 +4,8 @@ scheduler's steps (host work, the launches and, on CUDA, every kernel, those ins
 Contract:
 - Each rank writes ``{output_dir}/{profile_id}-TP-{rank}.trace.json.gz`` (Chrome trace format: Perfetto and
   ``chrome://tracing`` read it; ``benchmarks/trace_gaps.py`` sums its GPU idle time).
+- While recording, the scheduler's phases appear as named ranges (``scope``): ``receive``, ``schedule prefill``,
+  ``schedule decode``, ``launch <mode> <rows> rows``, ``wait``, ``results``, ``emit``.
 - Steps are counted as they are launched (prefill, mixed and decode alike). Recording starts before the
   launch of step ``start_step`` (at the next launch when it is None or already past) and, with ``num_steps``,
   ends by itself before the launch that follows the ``num_steps``-th recorded one, after the device has run
@@ -14,6 +16,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -84,6 +87,15 @@ class StepProfiler:
         if self.window is not None and self.window.profile is not None:
             self.window.recorded += 1
         self.steps += 1
+
+    def scope(self, name: str) -> contextlib.AbstractContextManager:
+        """A named range in the trace while recording (the scheduler's phases: receive, schedule, launch,
+        results); a no-op context otherwise."""
+        if self.window is None or self.window.profile is None:
+            return contextlib.nullcontext()
+        from torch.profiler import record_function
+
+        return record_function(name)
 
     def _activities(self, names: list[str] | None) -> list[str]:
         cuda = self.device.type == "cuda"

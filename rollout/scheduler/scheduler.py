@@ -219,7 +219,8 @@ class Scheduler:
             if (self.waiting and self.admitting) or self.prefill.chunked:
                 if not self._extend_in_flight():
                     self.sync()
-                launched = self._schedule_prefill()
+                with self.profiler.scope("schedule prefill"):
+                    launched = self._schedule_prefill()
                 if launched is None and self._extend_in_flight():  # e.g. all waiting share its prompts
                     self.sync()
                     launched = self._schedule_prefill()
@@ -227,7 +228,8 @@ class Scheduler:
                 if self._extend_in_flight():  # its requests join this decode step
                     self.sync()
                 if self.running:
-                    launched = self._schedule_decode()
+                    with self.profiler.scope("schedule decode"):
+                        launched = self._schedule_decode()
         self.sync()  # the step launched before this one
         if launched is not None:
             if self.overlap:
@@ -241,7 +243,8 @@ class Scheduler:
             self.stats.maybe_log(self.get_load())
 
     def emit(self) -> None:
-        self.outputs.emit(self.running, self.weights.weight_version)
+        with self.profiler.scope("emit"):
+            self.outputs.emit(self.running, self.weights.weight_version)
 
     def _schedule_prefill(self) -> LaunchedStep | None:
         """Launch an extend step over the admitted prompts (and chunk); with ``enable_mixed_chunk`` the running
@@ -309,18 +312,21 @@ class Scheduler:
         prompt_lp_reqs = [(r, n) for r, n in zip(reqs, want.counts) if n] if want is not None else []
         self.profiler.on_launch()
         start = time.perf_counter()
-        return LaunchedStep(inputs, sampled, self.runner.run_step(inputs, index, info), start, prompt_lp_reqs,
-                            self.weights.weight_version)
+        with self.profiler.scope(f"launch {inputs.mode.name.lower()} {len(reqs)} rows"):
+            output = self.runner.run_step(inputs, index, info)
+        return LaunchedStep(inputs, sampled, output, start, prompt_lp_reqs, self.weights.weight_version)
 
     # ---- results ------------------------------------------------------------------------------
 
     def process_results(self, step: LaunchedStep) -> None:
         """Wait for a launched step's results and apply them (``ResultProcessor``)."""
-        out = step.output.wait() if step.output is not None else None
+        with self.profiler.scope("wait"):
+            out = step.output.wait() if step.output is not None else None
         now = time.perf_counter()
         self.stats.record(step.inputs, now - max(step.launched_at, self._last_done))
         self._last_done = now
-        self.results.apply(step, out)
+        with self.profiler.scope("results"):
+            self.results.apply(step, out)
 
     # ---- control handlers ---------------------------------------------------------------------
 
