@@ -9,6 +9,7 @@ import zmq
 
 from rollout.config import EngineConfig
 from rollout.detokenize_state import IncrementalDetokenizer
+from rollout.gc_policy import freeze_heap
 from rollout.io_struct import BatchTokenOut, ShutdownReq, TokenOut
 from rollout.ipc import IPCPaths, socket
 from rollout.logging_utils import configure
@@ -24,6 +25,7 @@ def run_detokenizer_process(config: EngineConfig, paths: IPCPaths, ready: Any) -
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
         recv = socket(ctx, zmq.PULL, paths.detokenizer, bind=True)
         send = socket(ctx, zmq.PUSH, paths.tokenizer, bind=False)
+        freeze_heap()  # later collections walk only what serving allocates (rollout.gc_policy)
         ready.send({"ok": True})
     except BaseException as e:  # noqa: BLE001
         ready.send({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),

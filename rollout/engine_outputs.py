@@ -13,6 +13,7 @@ import time
 from typing import AsyncIterator, Iterator
 
 from rollout.engine_inputs import PromptItem
+from rollout.gc_policy import deferred_gc
 from rollout.outputs import RequestOutput
 from rollout.request_state import ReqState
 from rollout.tokenizer_manager import TokenizerManager
@@ -23,8 +24,9 @@ def run_batch(tm: TokenizerManager, items: list[PromptItem], use_tqdm: bool) -> 
     done: queue.Queue = queue.Queue()
     states: list[ReqState] = []
     try:
-        for prompt, ids, params, rid in items:
-            states.append(tm.submit(prompt, ids, params, _finish_sink(done), rid))
+        with deferred_gc():  # no full collection between two requests of the batch
+            for prompt, ids, params, rid in items:
+                states.append(tm.submit(prompt, ids, params, _finish_sink(done), rid))
         _wait_all(done, len(states), use_tqdm and len(states) > 1)
     except BaseException:
         _abort_unfinished(tm, states)
@@ -37,10 +39,11 @@ async def run_batch_async(tm: TokenizerManager, items: list[PromptItem]) -> list
     loop = asyncio.get_running_loop()
     futures, states = [], []
     try:
-        for prompt, ids, params, rid in items:
-            fut = loop.create_future()
-            futures.append(fut)
-            states.append(tm.submit(prompt, ids, params, _future_sink(loop, fut), rid))
+        with deferred_gc():
+            for prompt, ids, params, rid in items:
+                fut = loop.create_future()
+                futures.append(fut)
+                states.append(tm.submit(prompt, ids, params, _future_sink(loop, fut), rid))
         await asyncio.gather(*futures)
     except BaseException:
         _abort_unfinished(tm, states)
@@ -51,7 +54,8 @@ async def run_batch_async(tm: TokenizerManager, items: list[PromptItem]) -> list
 def stream(tm: TokenizerManager, items: list[PromptItem]) -> Iterator[RequestOutput]:
     """Submit now (like any request), then iterate over delta chunks as they arrive."""
     updates: queue.Queue = queue.Queue()
-    states = [tm.submit(prompt, ids, params, updates.put, rid, stream=True) for prompt, ids, params, rid in items]
+    with deferred_gc():
+        states = [tm.submit(prompt, ids, params, updates.put, rid, stream=True) for prompt, ids, params, rid in items]
     return _iterate(tm, states, updates)
 
 
@@ -72,7 +76,8 @@ def astream(tm: TokenizerManager, items: list[PromptItem]) -> AsyncIterator[Requ
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue = asyncio.Queue()
     sink = lambda state: loop.call_soon_threadsafe(updates.put_nowait, state)  # noqa: E731
-    states = [tm.submit(prompt, ids, params, sink, rid, stream=True) for prompt, ids, params, rid in items]
+    with deferred_gc():
+        states = [tm.submit(prompt, ids, params, sink, rid, stream=True) for prompt, ids, params, rid in items]
     return _aiterate(tm, states, updates)
 
 

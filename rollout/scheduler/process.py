@@ -13,6 +13,7 @@ import zmq
 from rollout.child_entry import orphaned
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
+from rollout.gc_policy import freeze_heap
 from rollout.io_struct import ControlReply, ExpireUpdateSession, SchedulerError
 from rollout.ipc import IPCPaths, socket
 from rollout.logging_utils import configure, dump_stacks_periodically
@@ -50,6 +51,7 @@ def run_scheduler_process(config: EngineConfig, paths: IPCPaths, rank: int, read
         model_cfg = ModelConfig.from_path(config.model_path)
         loop = SchedulerLoop(config, paths, ctx, tp, model_cfg, device)
         runner = loop.scheduler.runner
+        freeze_heap()  # later collections walk only what serving allocates (rollout.gc_policy)
         ready.send({"ok": True, "context_len": runner.context_len, "num_slots": runner.num_slots})
     except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it
         ready.send({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
