@@ -2,9 +2,9 @@
 
 A full (generation 2) collection walks every tracked object of the process: after torch, transformers and a
 model are loaded that takes tens to hundreds of milliseconds, and it starts whenever enough allocations have
-accumulated, e.g. in the middle of submitting a batch of requests (a 72 ms stall of one ``submit`` on the
-development CPU; 140-170 ms without the GPU's kernels on an H100, where it held up the bench's first
-prefill steps). So, as vLLM and SGLang do:
+accumulated, e.g. in the middle of submitting a batch of requests (one ``submit`` held 72 ms on the development
+CPU; a caller's full collection takes 70-110 ms on an H100 machine, where the bench's first prefill steps once
+waited 168 ms for the rest of the batch). So, as vLLM and SGLang do:
 
 - ``freeze_heap()``: each subprocess, once started, moves everything it has allocated so far into the
   permanent generation (``gc.freeze``), so later collections never walk the model, the modules or torch's
