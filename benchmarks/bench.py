@@ -106,7 +106,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--profile", action="store_true",
-                   help="fixed workload: record a torch.profiler trace of some of the timed run's steps "
+                   help="record a torch.profiler trace of some of the timed run's steps (not with --rl-steps) "
                         "(Engine.start_profile) and print where their GPU time went; the run's timings include "
                         "the profiler's cost")
     p.add_argument("--profile-dir", default=None, help="where traces go (default $ROLLOUT_TORCH_PROFILER_DIR or /tmp)")
@@ -132,8 +132,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--workload grpo needs --n >= 1, --rl-steps >= 0, --output-sigma >= 0 and no --hf-baseline")
     if (args.rl_sync != "tensor" or args.trainer_device) and not (args.workload == "grpo" and args.rl_steps):
         p.error("--rl-sync and --trainer-device apply to --workload grpo --rl-steps K only")
-    if args.profile and (args.workload != "fixed" or args.profile_start_step < 0 or args.profile_num_steps < 1):
-        p.error("--profile needs --workload fixed, --profile-start-step >= 0 and --profile-num-steps >= 1")
+    if args.profile and (args.rl_steps or args.profile_start_step < 0 or args.profile_num_steps < 1):
+        p.error("--profile needs --profile-start-step >= 0, --profile-num-steps >= 1 and no --rl-steps")
     if args.trainer_device and args.rl_sync != "distributed":
         p.error("--trainer-device needs --rl-sync distributed")
     if args.load_format == "dummy" and (args.hf_baseline or not args.preset):

@@ -81,14 +81,14 @@ def run_engine(args: argparse.Namespace, model_path: str, device: str, dtype: st
             _engine_warmup(engine, work, args)
         launched = engine.get_step_stats(reset=True)["launched_steps"]
         if args.profile:
-            trace = _start_profile(engine, args, launched)
+            trace = start_profile(engine, args, launched)
         params = [_sampling(n, args.temperature) for n in work.output_lens]
         start = time.perf_counter()
         outs = engine.generate(prompt_token_ids=work.prompts, sampling_params=params, use_tqdm=True)
         elapsed = time.perf_counter() - start
         stats = engine.get_step_stats(reset=True)
         if args.profile:
-            _report_profile(engine, trace, stats["launched_steps"] - launched)
+            report_profile(engine, trace, stats["launched_steps"] - launched)
         produced = sum(len(c.token_ids) for o in outs for c in o.outputs)
         run = EngineRun(RunResult(len(outs), work.input_tokens, produced, elapsed), steady_step(stats),
                         context_len=engine.context_len, kv_tokens=engine.get_server_info()["max_total_tokens"],
@@ -98,7 +98,7 @@ def run_engine(args: argparse.Namespace, model_path: str, device: str, dtype: st
     return run
 
 
-def _start_profile(engine: Any, args: argparse.Namespace, launched: int) -> str:
+def start_profile(engine: Any, args: argparse.Namespace, launched: int) -> str:
     """Arm ``Engine.start_profile`` for the timed run's steps ``--profile-start-step`` onwards -> rank 0's trace."""
     activities = args.profile_activities.split(",") if args.profile_activities else None
     out = engine.start_profile(output_dir=args.profile_dir, start_step=launched + args.profile_start_step,
@@ -108,7 +108,7 @@ def _start_profile(engine: Any, args: argparse.Namespace, launched: int) -> str:
     return out["traces"][0]
 
 
-def _report_profile(engine: Any, trace: str, steps: int) -> None:
+def report_profile(engine: Any, trace: str, steps: int) -> None:
     """Print where the profiled steps' GPU time went (``benchmarks.trace_gaps``); stops a profile still open."""
     import os
 

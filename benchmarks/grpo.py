@@ -182,6 +182,7 @@ def _wait_for_tail(engine: Any, worker: _Rollout, width: int) -> None:
 def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str, engine_options: dict[str, Any]
              ) -> dict[str, Any]:
     """The GRPO workload: one timed rollout, or with ``--rl-steps K`` the drain and in-flight RL loops."""
+    from benchmarks.engine_run import report_profile, start_profile
     from benchmarks.grpo_trainer import make_pusher
     from rollout.config import ModelConfig
     from rollout.engine import Engine
@@ -199,11 +200,14 @@ def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str,
             engine.flush_cache()
             if not args.rl_steps:
                 before = engine.get_step_stats()
+                trace = start_profile(engine, args, before["launched_steps"]) if args.profile else None
                 with LoadSampler(engine, engine.config.max_running_requests) as load:
                     start = time.perf_counter()
                     outs = run_rollout(engine, batches[0], args.temperature)
                     end = time.perf_counter()
                 after = engine.get_step_stats()
+                if trace is not None:
+                    report_profile(engine, trace, after["launched_steps"] - before["launched_steps"])
                 rows = _decoded_rows(after) - _decoded_rows(before)  # neither read resets the counts
                 report[name] = {"total": summarize(outs, end - start, load.tail_s(start, end)).to_dict(),
                                 "decode_rows": rows, "graph_replays": replays_between(before, after),

@@ -13,6 +13,7 @@ from benchmarks.bench import main
 from benchmarks.engine_run import steady_step
 from benchmarks.memory_floor import ModelBytes, model_bytes, run_decode_floor_s
 from benchmarks.report import decode_by_batch
+from benchmarks.trace_gaps import load_events
 from benchmarks.presets import PRESET_NAMES, preset_config, preset_param_specs, shard_plan, write_preset
 from benchmarks.workload import make_workload
 from rollout.config import ModelConfig
@@ -312,6 +313,29 @@ def test_grpo_rl_steps_with_a_distributed_trainer(tmp_path, capsys):
     assert [set(s["versions"]) for s in report["drain"]["steps"]] == [{"0"}, {"1"}]
     assert set(report["in_flight"]["steps"][0]["versions"]) <= {"0", "1"}
     assert not [p for p in multiprocessing.active_children() if p.name == "grpo-trainer"]
+
+
+@pytest.mark.parametrize("workload", [["--num-prompts", "4", "--input-len", "16", "--output-len", "12"],
+                                      ["--workload", "grpo", "--num-prompts", "2", "--n", "3", "--min-len", "8",
+                                       "--max-len", "16", "--output-len", "12"]])
+def test_bench_profile_writes_a_trace_of_the_chosen_steps(preset_root, tmp_path, capsys, workload):
+    """``--profile``: the trace of the timed run's steps 2..4 (``Engine.start_profile``), named in the output."""
+    argv = ["--preset", "tiny", "--preset-dir", preset_root, "--device", "cpu", "--profile", "--profile-dir",
+            str(tmp_path), "--profile-start-step", "2", "--profile-num-steps", "3"] + workload
+    assert main(argv) == 0
+    (trace,) = tmp_path.glob("bench-*-TP-0.trace.json.gz")
+    out = capsys.readouterr().out
+    assert f"profile: {trace}" in out and "no GPU kernels in the trace" in out
+    launches = [e["name"] for e in load_events(str(trace)) if e["name"].startswith("launch ")]
+    assert len(launches) == 3  # the window: 3 steps
+
+
+def test_profile_is_not_offered_with_rl_steps(capsys):
+    from benchmarks.bench import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--preset", "tiny", "--workload", "grpo", "--rl-steps", "2", "--profile"])
+    assert "--profile needs" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
