@@ -130,6 +130,8 @@ def main() -> None:
                    help="scales of balanced_programs for the load-balanced kernel (comma list; empty: none)")
     p.add_argument("--min-chunks", default="256", help="the balanced kernel's least tokens per range (a list)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the read-bandwidth probes")
+    p.add_argument("--context", type=int, default=600, help="the qwen case's tokens per request (e.g. 4000: a "
+                   "GRPO rollout's tail, few long requests)")
     args = p.parse_args()
     print(torch.cuda.get_device_name(0), torch.__version__, triton.__version__, flush=True)
     if not args.no_ceiling:
@@ -143,7 +145,7 @@ def main() -> None:
           "min_chunks": tuple(int(x) for x in args.min_chunks.split(","))}
     for batch in (int(b) for b in args.batches.split(",")):
         if "qwen" in cases:
-            decode_case("qwen3-0.6b", batch, 600, 16, 8, 128, launches, **kw)
+            decode_case("qwen3-0.6b", batch, args.context, 16, 8, 128, launches, **kw)
         if "varied" in cases:
             decode_case("qwen3-0.6b", batch, 0, 16, 8, 128, launches, varied=True, **kw)
         if "straggler" in cases:
