@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
 import weakref
 from typing import Any, AsyncIterator, Iterator, Sequence
 
@@ -21,8 +22,9 @@ from rollout.io_struct import (BenchmarkReceiveReq, ContinueGenerationReq, Contr
                                FlushCacheReq, GetLoadReq, GetMemoryStateReq, GetStepStatsReq, GetWeightsByNameReq,
                                GetWeightStateReq, GetWeightVersionReq, InitProcessGroupReq, PauseGenerationReq,
                                ReleaseMemoryOccupationReq, ResumeMemoryOccupationReq, RollbackWeightsReq,
-                               StartProfileReq, StopProfileReq, UpdateWeightReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq,
-                               UpdateWeightsFromTensorReq, UpdateWeightVersionReq, WeightsFingerprintReq)
+                               StartProfileReq, StopProfileReq, UpdateWeightReq, UpdateWeightsFromDiskReq,
+                               UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq, UpdateWeightVersionReq,
+                               WeightsFingerprintReq)
 from rollout.launcher import launch
 from rollout.outputs import RequestOutput
 from rollout.tokenizer_manager import TokenizerManager
@@ -149,14 +151,14 @@ class Engine:
                       record_shapes: bool = False, profile_id: str | None = None) -> dict[str, Any]:
         """SGLang's call: record a torch.profiler trace of the schedulers' steps, one file per TP rank
         (``{output_dir}/{profile_id}-TP-{rank}.trace.json.gz``; ``output_dir`` defaults to
-        ``$ROLLOUT_TORCH_PROFILER_DIR`` or /tmp). It starts at scheduler step ``start_step``
+        ``$ROLLOUT_TORCH_PROFILER_DIR`` or /tmp, ``profile_id`` to the time in seconds). It starts at scheduler step ``start_step``
         (``get_step_stats()["launched_steps"]`` counts them; None: the next step) and ends after ``num_steps``
         steps or at ``stop_profile``. ``activities``: "CPU", "GPU" (default: both on CUDA). Returns
         ``{"traces": [paths], "start_step": n}``."""
         output_dir = os.path.abspath(output_dir or os.environ.get("ROLLOUT_TORCH_PROFILER_DIR") or "/tmp")
         return self._call(StartProfileReq(output_dir=output_dir, start_step=start_step, num_steps=num_steps,
                                           activities=activities, with_stack=with_stack, record_shapes=record_shapes,
-                                          profile_id=profile_id or ""))
+                                          profile_id=profile_id or f"{time.time():.0f}"))  # one name for all ranks
 
     def stop_profile(self) -> dict[str, Any]:
         """End the profile now and write the traces -> ``{"trace": rank 0's path, "steps": steps recorded}``."""
