@@ -110,6 +110,17 @@ class EngineClient:
     def get_server_info(self) -> dict[str, Any]:
         return self._call("GET", "/get_server_info")
 
+    def start_profile(self, output_dir: str | None = None, start_step: int | None = None,
+                      num_steps: int | None = None, activities: list[str] | None = None, with_stack: bool = False,
+                      record_shapes: bool = False, profile_id: str | None = None) -> dict[str, Any]:
+        """``Engine.start_profile`` on the server (the traces are written on the server's machine)."""
+        return _result(self._post("/start_profile", {
+            "output_dir": output_dir, "start_step": start_step, "num_steps": num_steps, "activities": activities,
+            "with_stack": with_stack, "record_shapes": record_shapes, "profile_id": profile_id}))
+
+    def stop_profile(self) -> dict[str, Any]:
+        return _result(self._post("/stop_profile", None))
+
     # ---- colocation -------------------------------------------------------------------------------
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:

@@ -364,7 +364,7 @@ def test_control_calls_through_the_client(server, engine):
         EngineClient(server.url, api_key="wrong").get_weight_version()
 
 
-def test_start_and_stop_profile_over_http(http, tmp_path):
+def test_start_and_stop_profile_over_http(server, http, tmp_path):
     r = http.post("/start_profile", json={"output_dir": str(tmp_path), "profile_id": "http", "activities": ["CPU"]})
     assert r.status_code == 200 and r.json()["success"], r.text
     assert r.json()["traces"] == [str(tmp_path / "http-TP-0.trace.json.gz")]
@@ -376,6 +376,12 @@ def test_start_and_stop_profile_over_http(http, tmp_path):
     assert r.status_code == 400 and "no profile is running" in r.text
     r = http.post("/start_profile", json={"activities": ["GPU"]})
     assert r.status_code == 400 and "needs an engine on CUDA" in r.text
+    client = EngineClient(server.url, api_key=KEY)  # the same through the Python client
+    assert client.start_profile(str(tmp_path), profile_id="client")["traces"] == [
+        str(tmp_path / "client-TP-0.trace.json.gz")]
+    assert client.stop_profile() == {"trace": str(tmp_path / "client-TP-0.trace.json.gz"), "steps": 0}
+    with pytest.raises(ValueError, match="no profile is running"):
+        client.stop_profile()
 
 
 def test_metrics_parse_and_move_with_traffic(http):
