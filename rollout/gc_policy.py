@@ -6,9 +6,9 @@ accumulated, e.g. in the middle of submitting a batch of requests (one ``submit`
 CPU; a caller's full collection takes 70-110 ms on an H100 machine, where the bench's first prefill steps once
 waited 168 ms for the rest of the batch). So, as vLLM and SGLang do:
 
-- ``freeze_heap()``: each subprocess, once started, moves everything it has allocated so far into the
-  permanent generation (``gc.freeze``), so later collections never walk the model, the modules or torch's
-  objects again;
+- ``freeze_heap()``: each subprocess (and the HTTP server's process), once started, moves everything it has
+  allocated so far into the permanent generation (``gc.freeze``), so later collections never walk the model,
+  the modules or torch's objects again;
 - ``deferred_gc()``: the caller's process submits a batch of requests with the collector paused and lets it
   run afterwards, while the engine works (the caller's own heap is left as it is, not frozen).
 """

@@ -15,6 +15,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
+from rollout.gc_policy import freeze_heap
 from rollout.server.errors import APIError
 from rollout.server.metrics import ServerMetrics
 from rollout.server.server_args import ServerArgs
@@ -56,6 +57,8 @@ class ServerState:
                 engine.shutdown()
                 return
             self.engine = engine
+            if self._factory is None:  # the real server's process: later collections skip its start-up heap
+                freeze_heap()
             logger.info("engine ready: %s (context length %d)", self.args.model_path, engine.context_len)
 
         self._thread = threading.Thread(target=run, name="engine-start", daemon=True)
