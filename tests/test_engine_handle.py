@@ -35,10 +35,12 @@ def test_every_handle_has_the_protocol_calls_with_the_same_signatures(impl):
 
 def test_every_engine_control_call_reaches_its_scheduler_handler_by_name():
     """grep from an Engine method: its typed request → a handler table (``Scheduler.control_handlers``, with
-    ``WeightSync.handlers`` and ``MemoryOccupation.handlers``) → the handler's definition in the same file."""
+    ``WeightSync.handlers``, ``MemoryOccupation.handlers`` and ``StepProfiler.handlers``) → the handler's
+    definition in the same file."""
     engine_src = inspect.getsource(Engine)
     sources = [open(os.path.join(ROOT, *path.split("/"))).read()
-               for path in ("rollout/scheduler/scheduler.py", "rollout/weights/sync.py", "rollout/scheduler/memory.py")]
+               for path in ("rollout/scheduler/scheduler.py", "rollout/weights/sync.py", "rollout/scheduler/memory.py",
+                            "rollout/scheduler/profiler.py")]
     requests = sorted(set(re.findall(r"\b([A-Z]\w+Req)\(", engine_src)))
     assert {"UpdateWeightsFromDistributedReq", "PauseGenerationReq", "UpdateWeightReq"} <= set(requests)
     for req in requests:
