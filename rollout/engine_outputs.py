@@ -25,8 +25,8 @@ def run_batch(tm: TokenizerManager, items: list[PromptItem], use_tqdm: bool) -> 
     states: list[ReqState] = []
     try:
         with deferred_gc():  # no full collection between two requests of the batch
-            for prompt, ids, params, rid in items:
-                states.append(tm.submit(prompt, ids, params, _finish_sink(done), rid))
+            states = tm.submit_batch([(prompt, ids, params, _finish_sink(done), rid)
+                                      for prompt, ids, params, rid in items])
         _wait_all(done, len(states), use_tqdm and len(states) > 1)
     except BaseException:
         _abort_unfinished(tm, states)
@@ -40,10 +40,9 @@ async def run_batch_async(tm: TokenizerManager, items: list[PromptItem]) -> list
     futures, states = [], []
     try:
         with deferred_gc():
-            for prompt, ids, params, rid in items:
-                fut = loop.create_future()
-                futures.append(fut)
-                states.append(tm.submit(prompt, ids, params, _future_sink(loop, fut), rid))
+            futures = [loop.create_future() for _ in items]
+            states = tm.submit_batch([(prompt, ids, params, _future_sink(loop, fut), rid)
+                                      for (prompt, ids, params, rid), fut in zip(items, futures)])
         await asyncio.gather(*futures)
     except BaseException:
         _abort_unfinished(tm, states)
@@ -55,7 +54,8 @@ def stream(tm: TokenizerManager, items: list[PromptItem]) -> Iterator[RequestOut
     """Submit now (like any request), then iterate over delta chunks as they arrive."""
     updates: queue.Queue = queue.Queue()
     with deferred_gc():
-        states = [tm.submit(prompt, ids, params, updates.put, rid, stream=True) for prompt, ids, params, rid in items]
+        states = tm.submit_batch([(prompt, ids, params, updates.put, rid) for prompt, ids, params, rid in items],
+                                 stream=True)
     return _iterate(tm, states, updates)
 
 
@@ -77,7 +77,7 @@ def astream(tm: TokenizerManager, items: list[PromptItem]) -> AsyncIterator[Requ
     updates: asyncio.Queue = asyncio.Queue()
     sink = lambda state: loop.call_soon_threadsafe(updates.put_nowait, state)  # noqa: E731
     with deferred_gc():
-        states = [tm.submit(prompt, ids, params, sink, rid, stream=True) for prompt, ids, params, rid in items]
+        states = tm.submit_batch([(prompt, ids, params, sink, rid) for prompt, ids, params, rid in items], stream=True)
     return _aiterate(tm, states, updates)
 
 

@@ -21,6 +21,14 @@ class GenerateReq:
 
 
 @dataclass
+class BatchGenerateReq:
+    """The sequences of several requests submitted at once, in one message (SGLang sends a batch the same way):
+    the scheduler adds them in order, so a batch's first prefill step can take all of it."""
+
+    reqs: list[GenerateReq]
+
+
+@dataclass
 class AbortReq:
     rid: str
 

@@ -18,8 +18,8 @@ from typing import Any, Callable
 import zmq
 
 from rollout.config import EngineConfig, ModelConfig
-from rollout.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq, GenerateReq, SchedulerError,
-                               ShutdownReq)
+from rollout.io_struct import (AbortReq, BatchGenerateReq, BatchTokenOut, ControlReply, ControlReq, GenerateReq,
+                               SchedulerError, ShutdownReq)
 from rollout.ipc import IPCPaths, socket
 from rollout.outputs import RequestOutput
 from rollout.request_state import ReqState, build_output
@@ -101,29 +101,56 @@ class TokenizerManager:
     def submit(self, prompt: str | None, prompt_ids: list[int] | None, params: SamplingParams,
                sink: Callable[[ReqState], None], rid: str | None = None, stream: bool = False) -> ReqState:
         """Validate and send one request; its updates go to ``sink``. Raises ValueError for bad input."""
+        return self.submit_batch([(prompt, prompt_ids, params, sink, rid)], stream)[0]
+
+    def submit_batch(self, items: list[tuple[str | None, list[int] | None, SamplingParams,
+                                             Callable[[ReqState], None], str | None]],
+                     stream: bool = False) -> list[ReqState]:
+        """Validate every ``(prompt, prompt_ids, params, sink, rid)``, then send all their sequences in one
+        message (``BatchGenerateReq``; a lone sequence as its ``GenerateReq``). A ValueError for any item (bad
+        input, a duplicate request id) sends nothing."""
         self._check_alive()
+        states: list[ReqState] = []
+        msgs: list[GenerateReq] = []
+        rids: set[str] = set()
+        for prompt, prompt_ids, params, sink, rid in items:
+            state = self._new_state(prompt, prompt_ids, params, sink, rid)
+            if state.rid in rids:
+                raise ValueError(f"duplicate request id {state.rid!r}")
+            rids.add(state.rid)
+            states.append(state)
+            msgs += self._sequences(state, stream)
+        with self.send_lock:
+            taken = [s.rid for s in states if s.rid in self.states]
+            if taken:
+                raise ValueError(f"duplicate request id {taken[0]!r}")
+            for state in states:
+                self.states[state.rid] = state
+                for i, sub in enumerate(state.sub_rids()):
+                    self.sub_to_state[sub] = (state, i)
+            if msgs:
+                self.to_scheduler.send_pyobj(msgs[0] if len(msgs) == 1 else BatchGenerateReq(msgs))
+        return states
+
+    def _new_state(self, prompt: str | None, prompt_ids: list[int] | None, params: SamplingParams,
+                   sink: Callable[[ReqState], None], rid: str | None) -> ReqState:
+        """The tracked state of one validated request (tokenized here when only text is given)."""
         if prompt_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
             prompt_ids = self.tokenize(prompt)
         prompt_ids = list(prompt_ids)
         self.validate(prompt_ids, params)
-        rid = rid or uuid.uuid4().hex
-        if rid in self.states:
-            raise ValueError(f"duplicate request id {rid!r}")
-        state = ReqState(rid, prompt, prompt_ids, params, sink)
-        msgs = []
+        return ReqState(rid or uuid.uuid4().hex, prompt, prompt_ids, params, sink)
+
+    def _sequences(self, state: ReqState, stream: bool) -> list[GenerateReq]:
+        """One ``GenerateReq`` per sample of ``state`` (``n`` of them), each with its own seed."""
+        params, msgs = state.params, []
         for i, sub in enumerate(state.sub_rids()):
             seed = (params.seed + i * _GOLDEN) & _MASK63 if params.seed is not None else self.rng.getrandbits(63)
-            msgs.append(GenerateReq(sub, prompt_ids, params, seed, stream,
+            msgs.append(GenerateReq(sub, state.prompt_ids, params, seed, stream,
                                     return_prompt_logprobs=i == 0 and params.prompt_logprobs is not None))
-        with self.send_lock:
-            self.states[rid] = state
-            for i, sub in enumerate(state.sub_rids()):
-                self.sub_to_state[sub] = (state, i)
-            for msg in msgs:
-                self.to_scheduler.send_pyobj(msg)
-        return state
+        return msgs
 
     def abort(self, rid: str) -> None:
         state = self.states.get(rid)

@@ -18,7 +18,7 @@ import torch
 
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
-from rollout.io_struct import (AbortReq, ContinueGenerationReq, ControlReply, ControlReq, ExclusiveReq,
+from rollout.io_struct import (AbortReq, BatchGenerateReq, ContinueGenerationReq, ControlReply, ControlReq, ExclusiveReq,
                                ExpireUpdateSession, FinishReason, GenerateReq, GetLoadReq, GetStepStatsReq,
                                GetWeightStateReq, PauseGenerationReq, ReadOnlyReq, ShutdownReq, WeightUpdateReq)
 from rollout.model_executor.forward_batch import ForwardMode
@@ -111,10 +111,13 @@ class Scheduler:
 
     def handle(self, msg: Any) -> None:
         """Apply one incoming message (control calls reply through ``self.reply``)."""
-        if not isinstance(msg, (GenerateReq, ReadOnlyReq)):
+        if not isinstance(msg, (GenerateReq, BatchGenerateReq, ReadOnlyReq)):
             self.sync()
         if isinstance(msg, GenerateReq):
             self.add_request(msg)
+        elif isinstance(msg, BatchGenerateReq):
+            for req in msg.reqs:
+                self.add_request(req)
         elif isinstance(msg, AbortReq):
             self.abort(msg.rid)
         elif isinstance(msg, ExclusiveReq):
