@@ -143,7 +143,9 @@ def format_report(r: dict[str, Any]) -> str:
     pre = r.get("prefill") or {}
     if pre.get("steps"):
         lines.append(f"prefill: {pre['tokens']} tokens in {pre['steps']} steps, {pre['seconds']:.2f} s "
-                     f"({pre['tokens'] / max(pre['seconds'], 1e-9):.0f} tok/s); {r.get('mixed_steps', 0)} of them "
+                     f"({pre['tokens'] / max(pre['seconds'], 1e-9):.0f} tok/s; the scheduler "
+                     f"{pre.get('launch_seconds', 0):.2f} s scheduling and launching them, "
+                     f"{pre.get('wait_seconds', 0):.2f} s waiting for them); {r.get('mixed_steps', 0)} of them "
                      f"mixed with decode; {r.get('retractions', 0)} retractions")
     if r.get("graph_replays"):
         lines.append(f"decode steps replayed from each CUDA graph variant: {r['graph_replays']}")

@@ -66,8 +66,11 @@ def test_bench_tiny_fixed_lengths(preset_root, tmp_path, capsys):
     assert floor["decode_steps"] == 7
     assert floor["decode_floor_s"] == pytest.approx(want / (mem["copy_bandwidth_gb_s"] * 1e9))
     assert floor["decode_over_floor"] == pytest.approx(floor["decode_s"] / floor["decode_floor_s"])
+    prefill = report["prefill"]  # the scheduler's own host time in prefill: scheduling + launching, waiting
+    assert prefill["steps"] >= 1 and prefill["launch_seconds"] > 0 and prefill["wait_seconds"] >= 0
     out = capsys.readouterr().out
     assert "output tok/s" in out and "engine / hf" in out and "step/floor" in out and "decode floor" in out
+    assert "s scheduling and launching them" in out
     (band,) = report["decode_by_batch"]  # every decode step ran at batch 6; the batch-1 probe's are reset
     assert band["batch"] == [1, 16] and band["steps"] == 7 and "decode by batch size: 1-16: 7 steps" in out
 

@@ -223,7 +223,9 @@ class Scheduler:
                 if not self._extend_in_flight():
                     self.sync()
                 with self.profiler.scope("schedule prefill"):
+                    start = time.perf_counter()
                     launched = self._schedule_prefill()
+                    self.stats.prefill_host[0] += time.perf_counter() - start
                 if launched is None and self._extend_in_flight():  # e.g. all waiting share its prompts
                     self.sync()
                     launched = self._schedule_prefill()
@@ -323,9 +325,12 @@ class Scheduler:
 
     def process_results(self, step: LaunchedStep) -> None:
         """Wait for a launched step's results and apply them (``ResultProcessor``)."""
+        start = time.perf_counter()
         with self.profiler.scope("wait"):
             out = step.output.wait() if step.output is not None else None
         now = time.perf_counter()
+        if step.inputs.mode == ForwardMode.EXTEND:
+            self.stats.prefill_host[1] += now - start
         self.stats.record(step.inputs, now - max(step.launched_at, self._last_done))
         self._last_done = now
         with self.profiler.scope("results"):

@@ -24,6 +24,7 @@ class SchedulerStats:
         self.cascade_rows = 0   # rows in those groups, summed over the steps
         self.decode_steps: dict[int, list[float]] = {}  # batch size → [count, total seconds, total kv tokens]
         self.prefill_steps = [0, 0.0, 0]                # count, seconds, tokens
+        self.prefill_host = [0.0, 0.0]  # seconds scheduling + launching extend steps, seconds waiting for them
         self._last_log = time.monotonic()
         self._last_prefill = 0
         self._last_gen = 0
@@ -47,13 +48,15 @@ class SchedulerStats:
     def snapshot(self, reset: bool) -> dict[str, Any]:
         out = {"decode": {b: {"steps": c, "seconds": t, "kv_tokens": k} for b, (c, t, k) in self.decode_steps.items()},
                "prefill": {"steps": self.prefill_steps[0], "seconds": self.prefill_steps[1],
-                           "tokens": self.prefill_steps[2]},
+                           "tokens": self.prefill_steps[2], "launch_seconds": self.prefill_host[0],
+                           "wait_seconds": self.prefill_host[1]},
                "gen_tokens": self.gen_tokens, "prefill_tokens": self.prefill_tokens,
                "retractions": self.retractions, "mixed_steps": self.mixed_steps,
                "cascade_steps": self.cascade_steps, "cascade_rows": self.cascade_rows}
         if reset:
             self.decode_steps = {}
             self.prefill_steps = [0, 0.0, 0]
+            self.prefill_host = [0.0, 0.0]
         return out
 
     def maybe_log(self, load: dict[str, Any]) -> None:
