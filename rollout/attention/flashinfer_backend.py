@@ -83,15 +83,18 @@ class FlashInferBackend(AttentionBackend):
             return
         batch.attn_metadata = self._plan_paged_prefill(batch)
 
-    def _plan_args(self, batch: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _plan_args(self, batch: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(kv_indptr on the host, kv_indices into ``kv_indices_buf`` on the device, last page lens on the
-        host) of ``batch``'s cached tokens, one slot per FlashInfer page."""
+        host, kv lengths on the host) of ``batch``'s cached tokens, one slot per FlashInfer page. The host
+        tensors are pinned: given no kv lengths, ``plan()`` computes them into pageable memory, whose copy to
+        the device makes the host wait for the step in flight (the prefill then no longer overlaps)."""
         seq_lens = batch.seq_lens_cpu
         kv_indptr = host_indptr(seq_lens)
         kv_indices = kv_indices_for(batch.req_to_token, batch.req_pool_indices, batch.seq_lens, sum(seq_lens),
                                     out=self.shared.kv_indices_buf)
         last = torch.ones(len(seq_lens), dtype=torch.int32).pin_memory()
-        return kv_indptr, kv_indices, last
+        kv_lens = torch.tensor(seq_lens, dtype=torch.int32).pin_memory()
+        return kv_indptr, kv_indices, last, kv_lens
 
     def _common(self) -> dict:
         return dict(q_data_type=self.q_dtype, kv_data_type=self.spec.kv_dtype, sm_scale=self.spec.scaling)
@@ -99,19 +102,20 @@ class FlashInferBackend(AttentionBackend):
     def _plan_paged_prefill(self, batch: "ForwardBatch") -> FlashInferMetadata:
         """Causal attention of each request's new tokens over all its cached tokens, read from the pool."""
         s = self.spec
-        kv_indptr, kv_indices, last = self._plan_args(batch)
+        kv_indptr, kv_indices, last, kv_lens = self._plan_args(batch)
         self.shared.wait_for_last_plan()
         self.prefill.plan(host_indptr(batch.extend_lens), kv_indptr, kv_indices, last, s.num_qo_heads,
-                          s.num_kv_heads, s.head_dim, 1, causal=True, **self._common())
+                          s.num_kv_heads, s.head_dim, 1, causal=True, seq_lens=kv_lens, **self._common())
         self.shared.record_plan()
         return FlashInferMetadata(self.prefill)
 
     def _plan_decode(self, batch: "ForwardBatch", wrapper: Any) -> FlashInferMetadata:
         """One query per request over its cached tokens, planned on ``wrapper`` (eager, or a graph's)."""
         s = self.spec
-        kv_indptr, kv_indices, last = self._plan_args(batch)
+        kv_indptr, kv_indices, last, kv_lens = self._plan_args(batch)
         self.shared.wait_for_last_plan()
-        wrapper.plan(kv_indptr, kv_indices, last, s.num_qo_heads, s.num_kv_heads, s.head_dim, 1, **self._common())
+        wrapper.plan(kv_indptr, kv_indices, last, s.num_qo_heads, s.num_kv_heads, s.head_dim, 1, seq_lens=kv_lens,
+                     **self._common())
         self.shared.record_plan()
         return FlashInferMetadata(wrapper)
 
