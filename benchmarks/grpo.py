@@ -263,7 +263,8 @@ def format_grpo(report: dict[str, Any]) -> str:
         s = report["rollout"]["total"]
         lines.append(f"rollout: {s['output_tokens']} output tokens in {s['makespan_s']:.2f} s = "
                      f"{s['output_tok_s']:.1f} tok/s; tail {s['tail_s']:.2f} s (< 1/4 of the slots busy); "
-                     f"prefix-cache hit rate {s['prefix_hit_rate']:.1%}; {report['rollout']['mixed_steps']} prefill steps mixed with decode; "
+                     f"prefix-cache hit rate {s['prefix_hit_rate']:.1%}; {report['rollout']['mixed_steps']} prefill "
+                     f"steps mixed with decode; "
                      f"{report['rollout']['retractions']} retractions; cascade decode: "
                      f"{report['rollout']['cascade_steps']} steps, "
                      f"{report['rollout']['cascade_rows'] / max(report['rollout']['decode_rows'], 1):.1%} of the "

@@ -179,14 +179,13 @@ def main() -> None:
 def print_gaps(prof, top: int = 12) -> None:
     """The profiled window's GPU busy and idle time, idle summed by the pair of kernels around it
     (``benchmarks.trace_gaps``)."""
-    import json
     import tempfile
 
-    from benchmarks.trace_gaps import format_summary, summarize
+    from benchmarks.trace_gaps import format_summary, load_events, summarize
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        events = load_events(f.name)
     print(format_summary(summarize(events), top))
 
 

@@ -151,9 +151,9 @@ class Engine:
                       record_shapes: bool = False, profile_id: str | None = None) -> dict[str, Any]:
         """SGLang's call: record a torch.profiler trace of the schedulers' steps, one file per TP rank
         (``{output_dir}/{profile_id}-TP-{rank}.trace.json.gz``; ``output_dir`` defaults to
-        ``$ROLLOUT_TORCH_PROFILER_DIR`` or /tmp, ``profile_id`` to the time in seconds). It starts at scheduler step ``start_step``
-        (``get_step_stats()["launched_steps"]`` counts them; None: the next step) and ends after ``num_steps``
-        steps or at ``stop_profile``. ``activities``: "CPU", "GPU" (default: both on CUDA). Returns
+        ``$ROLLOUT_TORCH_PROFILER_DIR`` or /tmp, ``profile_id`` to the time in seconds). It starts at scheduler
+        step ``start_step`` (``get_step_stats()["launched_steps"]`` counts them; None: the next step) and ends
+        after ``num_steps`` steps or at ``stop_profile``. ``activities``: "CPU", "GPU" (default: both on CUDA). Returns
         ``{"traces": [paths], "start_step": n}``."""
         output_dir = os.path.abspath(output_dir or os.environ.get("ROLLOUT_TORCH_PROFILER_DIR") or "/tmp")
         return self._call(StartProfileReq(output_dir=output_dir, start_step=start_step, num_steps=num_steps,

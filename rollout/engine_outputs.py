@@ -13,7 +13,6 @@ import time
 from typing import AsyncIterator, Iterator
 
 from rollout.engine_inputs import PromptItem
-from rollout.gc_policy import deferred_gc
 from rollout.outputs import RequestOutput
 from rollout.request_state import ReqState
 from rollout.tokenizer_manager import TokenizerManager
@@ -24,9 +23,7 @@ def run_batch(tm: TokenizerManager, items: list[PromptItem], use_tqdm: bool) -> 
     done: queue.Queue = queue.Queue()
     states: list[ReqState] = []
     try:
-        with deferred_gc():  # no full collection between two requests of the batch
-            states = tm.submit_batch([(prompt, ids, params, _finish_sink(done), rid)
-                                      for prompt, ids, params, rid in items])
+        states = tm.submit_batch([(prompt, ids, params, _finish_sink(done), rid) for prompt, ids, params, rid in items])
         _wait_all(done, len(states), use_tqdm and len(states) > 1)
     except BaseException:
         _abort_unfinished(tm, states)
@@ -39,10 +36,9 @@ async def run_batch_async(tm: TokenizerManager, items: list[PromptItem]) -> list
     loop = asyncio.get_running_loop()
     futures, states = [], []
     try:
-        with deferred_gc():
-            futures = [loop.create_future() for _ in items]
-            states = tm.submit_batch([(prompt, ids, params, _future_sink(loop, fut), rid)
-                                      for (prompt, ids, params, rid), fut in zip(items, futures)])
+        futures = [loop.create_future() for _ in items]
+        states = tm.submit_batch([(prompt, ids, params, _future_sink(loop, fut), rid)
+                                  for (prompt, ids, params, rid), fut in zip(items, futures)])
         await asyncio.gather(*futures)
     except BaseException:
         _abort_unfinished(tm, states)
@@ -53,9 +49,8 @@ async def run_batch_async(tm: TokenizerManager, items: list[PromptItem]) -> list
 def stream(tm: TokenizerManager, items: list[PromptItem]) -> Iterator[RequestOutput]:
     """Submit now (like any request), then iterate over delta chunks as they arrive."""
     updates: queue.Queue = queue.Queue()
-    with deferred_gc():
-        states = tm.submit_batch([(prompt, ids, params, updates.put, rid) for prompt, ids, params, rid in items],
-                                 stream=True)
+    states = tm.submit_batch([(prompt, ids, params, updates.put, rid) for prompt, ids, params, rid in items],
+                             stream=True)
     return _iterate(tm, states, updates)
 
 
@@ -76,8 +71,7 @@ def astream(tm: TokenizerManager, items: list[PromptItem]) -> AsyncIterator[Requ
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue = asyncio.Queue()
     sink = lambda state: loop.call_soon_threadsafe(updates.put_nowait, state)  # noqa: E731
-    with deferred_gc():
-        states = tm.submit_batch([(prompt, ids, params, sink, rid) for prompt, ids, params, rid in items], stream=True)
+    states = tm.submit_batch([(prompt, ids, params, sink, rid) for prompt, ids, params, rid in items], stream=True)
     return _aiterate(tm, states, updates)
 
 

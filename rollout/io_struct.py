@@ -204,15 +204,15 @@ class StartProfileReq(ReadOnlyReq):
     """SGLang's ``start_profile`` fields: a torch.profiler trace of this rank's steps (it only adds recording,
     so it may start while a step is in flight). ``start_step`` is the scheduler's step count to start at (at
     once when None or already past); ``num_steps`` stops it by itself after that many steps (None: at
-    ``StopProfileReq``)."""
+    ``StopProfileReq``). ``profile_id`` names every rank's trace (the Engine picks it, so the ranks agree)."""
 
     output_dir: str
+    profile_id: str
     start_step: int | None = None
     num_steps: int | None = None
     activities: list[str] | None = None
     with_stack: bool = False
     record_shapes: bool = False
-    profile_id: str = ""
 
 
 @dataclass(kw_only=True)

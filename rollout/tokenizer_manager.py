@@ -18,6 +18,7 @@ from typing import Any, Callable
 import zmq
 
 from rollout.config import EngineConfig, ModelConfig
+from rollout.gc_policy import deferred_gc
 from rollout.io_struct import (AbortReq, BatchGenerateReq, BatchTokenOut, ControlReply, ControlReq, GenerateReq,
                                SchedulerError, ShutdownReq)
 from rollout.ipc import IPCPaths, socket
@@ -98,17 +99,19 @@ class TokenizerManager:
             raise ValueError(f"routed_experts_start_len ({params.routed_experts_start_len}) must be at most the prompt "
                              f"length ({len(prompt_ids)})")
 
-    def submit(self, prompt: str | None, prompt_ids: list[int] | None, params: SamplingParams,
-               sink: Callable[[ReqState], None], rid: str | None = None, stream: bool = False) -> ReqState:
-        """Validate and send one request; its updates go to ``sink``. Raises ValueError for bad input."""
-        return self.submit_batch([(prompt, prompt_ids, params, sink, rid)], stream)[0]
-
     def submit_batch(self, items: list[tuple[str | None, list[int] | None, SamplingParams,
                                              Callable[[ReqState], None], str | None]],
                      stream: bool = False) -> list[ReqState]:
-        """Validate every ``(prompt, prompt_ids, params, sink, rid)``, then send all their sequences in one
-        message (``BatchGenerateReq``; a lone sequence as its ``GenerateReq``). A ValueError for any item (bad
-        input, a duplicate request id) sends nothing."""
+        """Validate every ``(prompt, prompt_ids, params, sink, rid)`` (updates of each go to its ``sink``), then
+        send all their sequences in one message (``BatchGenerateReq``; a lone sequence as its ``GenerateReq``).
+        A ValueError for any item (bad input, a duplicate request id) sends nothing. The garbage collector is
+        paused meanwhile (``rollout.gc_policy.deferred_gc``)."""
+        with deferred_gc():  # no full collection between two requests of the batch
+            return self._submit_batch(items, stream)
+
+    def _submit_batch(self, items: list[tuple[str | None, list[int] | None, SamplingParams,
+                                              Callable[[ReqState], None], str | None]],
+                      stream: bool) -> list[ReqState]:
         self._check_alive()
         states: list[ReqState] = []
         msgs: list[GenerateReq] = []

@@ -9,7 +9,7 @@ import pytest
 
 from rollout import SamplingParams
 from rollout.gc_policy import deferred_gc, freeze_heap
-from rollout.tokenizer_manager import TokenizerManager
+from rollout.io_struct import BatchGenerateReq, GenerateReq
 
 
 def test_deferred_gc_restores_the_previous_state():
@@ -43,13 +43,15 @@ def test_freeze_heap_exempts_what_is_alive():
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_batch_is_submitted_at_once_with_the_collector_paused(engine, monkeypatch, stream):
     seen = []
-    submit_batch = TokenizerManager.submit_batch
+    sock = engine.tokenizer_manager.to_scheduler
+    send = sock.send_pyobj
 
-    def spy(self, items, *args, **kwargs):
-        seen.append((len(items), gc.isenabled()))
-        return submit_batch(self, items, *args, **kwargs)
+    def spy(msg, *args, **kwargs):
+        if isinstance(msg, (GenerateReq, BatchGenerateReq)):
+            seen.append((len(msg.reqs) if isinstance(msg, BatchGenerateReq) else 1, gc.isenabled()))
+        return send(msg, *args, **kwargs)
 
-    monkeypatch.setattr(TokenizerManager, "submit_batch", spy)
+    monkeypatch.setattr(sock, "send_pyobj", spy)
     params = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
     outs = engine.generate(prompt_token_ids=[[5, 6, 7]] * 4, sampling_params=params, use_tqdm=False, stream=stream)
     outs = list(outs)

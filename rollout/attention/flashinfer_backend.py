@@ -86,8 +86,8 @@ class FlashInferBackend(AttentionBackend):
     def _plan_args(self, batch: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(kv_indptr on the host, kv_indices into ``kv_indices_buf`` on the device, last page lens on the
         host, kv lengths on the host) of ``batch``'s cached tokens, one slot per FlashInfer page. The host
-        tensors are pinned: given no kv lengths, ``plan()`` computes them into pageable memory, whose copy to
-        the device makes the host wait for the step in flight (the prefill then no longer overlaps)."""
+        tensors are pinned: given no kv lengths, ``plan()`` computes them into pageable memory and copies them
+        from there, a copy that can wait for the stream's queued work (no change measured in the bench)."""
         seq_lens = batch.seq_lens_cpu
         kv_indptr = host_indptr(seq_lens)
         kv_indices = kv_indices_for(batch.req_to_token, batch.req_pool_indices, batch.seq_lens, sum(seq_lens),

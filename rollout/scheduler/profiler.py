@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -64,12 +63,12 @@ class StepProfiler:
         if req.start_step is not None and req.start_step < 0:
             raise ValueError(f"start_step must be non-negative, got {req.start_step}")
         os.makedirs(req.output_dir, exist_ok=True)
-        pid = req.profile_id or f"{time.time():.0f}"
         start_at = max(req.start_step or 0, self.steps)
-        self.window = _Window(req, self._path(req.output_dir, pid, self.rank), start_at, activities)
+        self.window = _Window(req, self._path(req.output_dir, req.profile_id, self.rank), start_at, activities)
         if start_at == self.steps:
             self._begin()
-        return {"traces": [self._path(req.output_dir, pid, r) for r in range(self.tp_size)], "start_step": start_at}
+        return {"traces": [self._path(req.output_dir, req.profile_id, r) for r in range(self.tp_size)],
+                "start_step": start_at}
 
     def stop(self, req: StopProfileReq | None = None) -> dict[str, Any]:
         """End the profile now and write the trace -> ``{"trace": path, "steps": steps recorded}``."""
@@ -88,14 +87,14 @@ class StepProfiler:
             self.window.recorded += 1
         self.steps += 1
 
-    def scope(self, name: str) -> contextlib.AbstractContextManager:
-        """A named range in the trace while recording (the scheduler's phases: receive, schedule, launch,
-        results); a no-op context otherwise."""
+    def scope(self, *name: Any) -> contextlib.AbstractContextManager:
+        """A range named by ``name``'s parts joined with spaces in the trace while recording (the scheduler's
+        phases: receive, schedule, launch, results); a no-op context otherwise, which formats nothing."""
         if self.window is None or self.window.profile is None:
             return contextlib.nullcontext()
         from torch.profiler import record_function
 
-        return record_function(name)
+        return record_function(" ".join(map(str, name)))
 
     def _activities(self, names: list[str] | None) -> list[str]:
         cuda = self.device.type == "cuda"

@@ -18,9 +18,10 @@ import torch
 
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
-from rollout.io_struct import (AbortReq, BatchGenerateReq, ContinueGenerationReq, ControlReply, ControlReq, ExclusiveReq,
-                               ExpireUpdateSession, FinishReason, GenerateReq, GetLoadReq, GetStepStatsReq,
-                               GetWeightStateReq, PauseGenerationReq, ReadOnlyReq, ShutdownReq, WeightUpdateReq)
+from rollout.io_struct import (AbortReq, BatchGenerateReq, ContinueGenerationReq, ControlReply, ControlReq,
+                               ExclusiveReq, ExpireUpdateSession, FinishReason, GenerateReq, GetLoadReq,
+                               GetStepStatsReq, GetWeightStateReq, PauseGenerationReq, ReadOnlyReq, ShutdownReq,
+                               WeightUpdateReq)
 from rollout.model_executor.forward_batch import ForwardMode
 from rollout.model_executor.model_runner import ModelRunner, StepInput
 from rollout.scheduler.admission import NewTokenRatio
@@ -222,13 +223,10 @@ class Scheduler:
             if (self.waiting and self.admitting) or self.prefill.chunked:
                 if not self._extend_in_flight():
                     self.sync()
-                with self.profiler.scope("schedule prefill"):
-                    start = time.perf_counter()
-                    launched = self._schedule_prefill()
-                    self.stats.prefill_host[0] += time.perf_counter() - start
+                launched = self._timed_prefill()
                 if launched is None and self._extend_in_flight():  # e.g. all waiting share its prompts
                     self.sync()
-                    launched = self._schedule_prefill()
+                    launched = self._timed_prefill()
             if launched is None:
                 if self._extend_in_flight():  # its requests join this decode step
                     self.sync()
@@ -250,6 +248,14 @@ class Scheduler:
     def emit(self) -> None:
         with self.profiler.scope("emit"):
             self.outputs.emit(self.running, self.weights.weight_version)
+
+    def _timed_prefill(self) -> LaunchedStep | None:
+        """``_schedule_prefill``, its host time counted in the step stats (and a range in a profile)."""
+        with self.profiler.scope("schedule prefill"):
+            start = time.perf_counter()
+            launched = self._schedule_prefill()
+            self.stats.prefill_host[0] += time.perf_counter() - start
+        return launched
 
     def _schedule_prefill(self) -> LaunchedStep | None:
         """Launch an extend step over the admitted prompts (and chunk); with ``enable_mixed_chunk`` the running
@@ -317,7 +323,7 @@ class Scheduler:
         prompt_lp_reqs = [(r, n) for r, n in zip(reqs, want.counts) if n] if want is not None else []
         self.profiler.on_launch()
         start = time.perf_counter()
-        with self.profiler.scope(f"launch {inputs.mode.name.lower()} {len(reqs)} rows"):
+        with self.profiler.scope("launch", inputs.mode.name.lower(), len(reqs), "rows"):
             output = self.runner.run_step(inputs, index, info)
         return LaunchedStep(inputs, sampled, output, start, prompt_lp_reqs, self.weights.weight_version)
 
@@ -329,9 +335,7 @@ class Scheduler:
         with self.profiler.scope("wait"):
             out = step.output.wait() if step.output is not None else None
         now = time.perf_counter()
-        if step.inputs.mode == ForwardMode.EXTEND:
-            self.stats.prefill_host[1] += now - start
-        self.stats.record(step.inputs, now - max(step.launched_at, self._last_done))
+        self.stats.record(step.inputs, now - max(step.launched_at, self._last_done), waited=now - start)
         self._last_done = now
         with self.profiler.scope("results"):
             self.results.apply(step, out)

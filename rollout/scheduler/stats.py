@@ -29,8 +29,11 @@ class SchedulerStats:
         self._last_prefill = 0
         self._last_gen = 0
 
-    def record(self, step: StepInput, seconds: float) -> None:
+    def record(self, step: StepInput, seconds: float, waited: float = 0.0) -> None:
+        """One step read back: ``seconds`` since its launch (or the previous step's read), ``waited`` of them
+        blocked on its results."""
         if step.mode == ForwardMode.EXTEND:
+            self.prefill_host[1] += waited
             n = sum(step.extend_lens)
             self.prefill_tokens += n
             self.prefill_steps[0] += 1

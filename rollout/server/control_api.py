@@ -3,9 +3,9 @@
 Weight updates map onto the Engine's calls (docs/weight_sync.md): ``/init_weights_update_group``,
 ``/update_weights_from_distributed``, ``/update_weights_from_disk``, ``/destroy_weights_update_group``;
 control: ``/flush_cache``, ``/pause_generation``, ``/continue_generation``, ``/get_weight_version``,
-``/update_weight_version``, ``/abort_request``, ``/start_profile``, ``/stop_profile``; verification: ``/get_weights_by_name``,
-``/weights_fingerprint``, ``/get_weight_state``, ``/rollback_weights``. A bad call is a 400 (nothing is
-loaded), a failed transfer a 500; both carry the engine's message. On a non-loopback bind without an
+``/update_weight_version``, ``/abort_request``, ``/start_profile``, ``/stop_profile``; verification:
+``/get_weights_by_name``, ``/weights_fingerprint``, ``/get_weight_state``, ``/rollback_weights``. A bad call is a
+400 (nothing is loaded), a failed transfer a 500; both carry the engine's message. On a non-loopback bind without an
 API key every one of them answers 403.
 """
 
@@ -18,8 +18,8 @@ from fastapi import APIRouter, Depends, Request
 from rollout.server.errors import APIError
 from rollout.server.protocol import (AbortRequest, DestroyWeightsUpdateGroupRequest, EmptyRequest,
                                      GetWeightsByNameRequest, InitWeightsUpdateGroupRequest, PauseGenerationRequest,
-                                     StartProfileRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
-                                     UpdateWeightVersionRequest)
+                                     StartProfileRequest, UpdateWeightsFromDiskRequest,
+                                     UpdateWeightsFromDistributedRequest, UpdateWeightVersionRequest)
 from rollout.server.state import ServerState
 
 
