@@ -155,20 +155,20 @@ class ReqToTokenPool:
     def free(self, row: int) -> None:
         self._free_rows.append(row)
 
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        """table[row, start:start+len(slots)] = slots."""
+    def write(self, row: int, start: int, slots: torch.Tensor, device: bool = True) -> None:
+        """table[row, start:start+len(slots)] = slots; ``device=False``: ``cpu_table`` only (as ``write_many``)."""
         n = slots.numel()
         if n:
             self.cpu_table[row, start:start + n] = slots
-            if self.table is not self.cpu_table:
+            if device and self.table is not self.cpu_table:
                 self.table[row, start:start + n] = to_device(slots.to(torch.int32), self.table.device)
 
     def write_many(self, rows: list[int], positions: list[int], slots: torch.Tensor, device: bool = True) -> None:
         """table[rows[i], positions[i]] = slots[i] for every i, in one indexed write per table.
 
         ``device=False`` writes ``cpu_table`` only: the caller promises the same write reaches the device
-        ``table`` before anything reads it (decode: ``ModelRunner.forward`` does it with the step's own
-        inputs, via ``write_device`` or the fused decode-preparation kernel). On the CPU both are one
+        ``table`` before anything reads it (``ModelRunner.forward`` does it with the step's own inputs, via
+        ``write_device`` or the fused decode-preparation kernel). On the CPU both are one
         table, so the write is always complete."""
         r = torch.tensor(rows, dtype=torch.int64)
         p = torch.tensor(positions, dtype=torch.int64)
@@ -189,6 +189,10 @@ class ReqToTokenPool:
         lens_t = torch.tensor(lens, dtype=torch.int64)
         out = self.cpu_table[torch.tensor(rows, dtype=torch.int64), (lens_t - 1).clamp(min=0)].to(torch.int64)
         return out.masked_fill(lens_t == 0, 0)
+
+    def last_slot(self, row: int, length: int) -> int:
+        """``last_slots([row], [length])`` for one row, as an int (no tensors built)."""
+        return int(self.cpu_table[row, length - 1]) if length > 0 else 0
 
     def slots(self, row: int, end: int) -> torch.Tensor:
         """The slots of positions [0, end) of ``row`` (CPU int64)."""

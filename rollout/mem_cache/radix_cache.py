@@ -37,7 +37,7 @@ class TreeNode:
         return self.last_access < other.last_access
 
 
-def _common_len(a: list[int], b: list[int], page_size: int = 1) -> int:
+def common_len(a: list[int], b: list[int], page_size: int = 1) -> int:
     """Length of the common prefix of ``a`` and ``b``, rounded down to whole pages."""
     n = min(len(a), len(b))
     i = 0
@@ -84,7 +84,7 @@ class RadixCache:
         node.last_access = now
         while pos < len(tokens) and self._child_key(tokens, pos) in node.children:
             child = node.children[self._child_key(tokens, pos)]
-            n = _common_len(child.key, tokens[pos:], self.page_size)
+            n = common_len(child.key, tokens[pos:], self.page_size)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
@@ -103,7 +103,7 @@ class RadixCache:
         now = next(self._clock)
         while pos < len(tokens) and self._child_key(tokens, pos) in node.children:
             child = node.children[self._child_key(tokens, pos)]
-            n = _common_len(child.key, tokens[pos:], self.page_size)
+            n = common_len(child.key, tokens[pos:], self.page_size)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now

@@ -39,8 +39,9 @@ class StepInput:
     """The tokens one forward computes, flattened over requests (host lists, built by the scheduler).
 
     ``input_ids`` is None in decode: each request's input is its newest token, which may not have
-    reached the host yet (overlap scheduling), so the runner reads it from ``ModelRunner.last_token_ids``;
-    and its ``out_slots`` need only be in the host request table: the runner writes them to the device one.
+    reached the host yet (overlap scheduling), so the runner reads it from ``ModelRunner.last_token_ids``.
+    In both modes ``out_slots`` (the new tokens' slots) need only be in the host request table: the runner
+    writes them to the device one at (``rows``, ``positions``) with the step's own inputs, one write a step.
     """
 
     mode: ForwardMode
@@ -230,15 +231,20 @@ class ModelRunner:
 
     def forward(self, step: StepInput) -> tuple[torch.Tensor, PromptLogprobs | None]:
         """Logits [num_requests, vocab] (model dtype; the sampler computes in float32) of each request's last
-        token in ``step``, and the prompt logprobs ``step.prompt_logprobs`` asks for (else None). A decode
-        step also writes its ``out_slots`` into the device request table at (``rows``, ``positions``): the
-        scheduler writes only the host table (``write_many(device=False)``)."""
+        token in ``step``, and the prompt logprobs ``step.prompt_logprobs`` asks for (else None). The step
+        also writes its ``out_slots`` into the device request table at (``rows``, ``positions``): the
+        scheduler writes only the host table (``KVCacheManager.extend``, ``alloc_decode``)."""
         if step.mode == ForwardMode.DECODE:
             return self._forward_decode(step), None
         dev = self.device
-        batch = self._batch(step, list_to_device(step.input_ids, torch.int64, dev),
-                            list_to_device(step.rows, torch.int64, dev), list_to_device(step.positions, torch.int64, dev),
-                            to_device(step.out_slots, dev), list_to_device(step.seq_lens, torch.int32, dev))
+        rows, positions = list_to_device(step.rows, torch.int64, dev), list_to_device(step.positions, torch.int64, dev)
+        out_slots = to_device(step.out_slots, dev)
+        if self.req_to_token.table is not self.req_to_token.cpu_table:  # the new tokens' slots, one write
+            per_token = torch.repeat_interleave(rows, list_to_device(step.extend_lens, torch.int64, dev),
+                                                output_size=len(step.positions))
+            self.req_to_token.write_device(per_token, positions, out_slots)
+        batch = self._batch(step, list_to_device(step.input_ids, torch.int64, dev), rows, positions, out_slots,
+                            list_to_device(step.seq_lens, torch.int32, dev))
         want = step.prompt_logprobs
         if want is None:
             return self.model(batch), None

@@ -87,16 +87,17 @@ class KVCacheManager:
         req.last_node, req.tree = node, self.tree
 
     def extend(self, req: Req, n: int) -> None:
-        """Take ``n`` slots (already ensured free) for the request's next ``n`` tokens."""
-        last = int(self.req_pool.last_slots([req.pool_row], [req.kv_len])[0])
-        self.req_pool.write(req.pool_row, req.kv_len, self.allocator.alloc(n, req.kv_len, last))
+        """Take ``n`` slots (already ensured free) for the request's next ``n`` tokens, written to the host
+        table only: the extend step computing them writes the device table (``ModelRunner.forward``)."""
+        last = self.req_pool.last_slot(req.pool_row, req.kv_len)
+        self.req_pool.write(req.pool_row, req.kv_len, self.allocator.alloc(n, req.kv_len, last), device=False)
 
-    def alloc_decode(self, reqs: list[Req], device: bool = False) -> torch.Tensor:
+    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
         """One slot (already ensured free) for each request's next token, written to the host table only
-        (the model runner writes the device table with a decode step), or to both with ``device``."""
+        (the step computing the token, decode or mixed extend, writes the device table)."""
         rows, positions = [r.pool_row for r in reqs], [r.kv_len for r in reqs]
         slots = self.allocator.alloc_decode(positions, self.req_pool.last_slots(rows, positions))
-        self.req_pool.write_many(rows, positions, slots, device=device)
+        self.req_pool.write_many(rows, positions, slots, device=False)
         return slots
 
     def decode_slots_needed(self, reqs: list[Req]) -> int:

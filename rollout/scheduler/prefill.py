@@ -21,7 +21,7 @@ import torch
 
 from rollout.config import EngineConfig
 from rollout.io_struct import FinishReason
-from rollout.mem_cache.radix_cache import RadixCache
+from rollout.mem_cache.radix_cache import common_len
 from rollout.model_executor.forward_batch import ForwardMode
 from rollout.model_executor.model_runner import PromptLogprobsRequest, StepInput
 from rollout.scheduler.admission import NewTokenRatio
@@ -61,9 +61,9 @@ class PrefillManager:
                 return reqs, lens
             kept += self.ratio.future_tokens(self.chunked)
             self.chunked = None  # its last chunk: it is running once this step is read
-        in_batch = RadixCache(lambda slots: None)  # prompts being computed: requests sharing them wait
+        in_batch = PromptsInBatch()  # prompts being computed: requests sharing them wait
         for req in in_flight:
-            in_batch.insert(req.fill_ids, torch.zeros(len(req.fill_ids), dtype=torch.int64))
+            in_batch.add(req.fill_ids)
         deferred: list[Req] = []
         while admitting and waiting and budget > 0:
             if len(running) + len(reqs) >= self.config.max_running_requests or not self.cache.req_pool.available:
@@ -90,7 +90,7 @@ class PrefillManager:
         waiting.extendleft(reversed(deferred))
         return reqs, lens
 
-    def _admit_new(self, req: Req, budget: int, kept: int, in_batch: RadixCache,
+    def _admit_new(self, req: Req, budget: int, kept: int, in_batch: "PromptsInBatch",
                    split_ok: bool = True) -> int | None:
         """Place a waiting request's cached prefix and first chunk, if ``kept`` more slots stay free beside
         it; 0 = no room now, None = defer.
@@ -102,8 +102,7 @@ class PrefillManager:
         fill = req.fill_ids
         key = fill[:req.prefix_match_len()]
         prefix, node = self.cache.match(key)
-        shared, _ = in_batch.match_prefix(key)
-        extra = len(shared) - len(prefix)
+        extra = in_batch.shared_len(key) - len(prefix)
         if extra > 0 and extra >= min(self.config.in_batch_prefix_threshold, len(fill) - 1 - len(prefix)):
             return None  # computed by a request already in this batch: wait and reuse its cache entry
         rest = len(fill) - len(prefix)
@@ -115,7 +114,7 @@ class PrefillManager:
         if not self._make_room(self.cache.slots_needed(chunk, len(prefix)), kept):
             self.cache.unlock(node)
             return 0
-        in_batch.insert(fill, torch.zeros(len(fill), dtype=torch.int64))
+        in_batch.add(fill)
         self.cache.place(req, prefix, node)
         if not req.cached_tokens_known:
             req.cached_tokens, req.cached_tokens_known = len(prefix), True
@@ -151,6 +150,24 @@ class PrefillManager:
         """``req`` leaves (aborted or retracted): it is no longer the chunked request."""
         if self.chunked is req:
             self.chunked = None
+
+
+class PromptsInBatch:
+    """The prompts an extend step being built (and the one in flight) computes, by first token:
+    ``shared_len(tokens)`` is the longest prefix of ``tokens`` that one of them starts with (what a radix tree
+    of them would match, without building one per step)."""
+
+    def __init__(self) -> None:
+        self._by_first: dict[int, list[list[int]]] = {}
+
+    def add(self, tokens: list[int]) -> None:
+        if tokens:
+            self._by_first.setdefault(tokens[0], []).append(tokens)
+
+    def shared_len(self, tokens: list[int]) -> int:
+        if not tokens:
+            return 0
+        return max((common_len(t, tokens) for t in self._by_first.get(tokens[0], ())), default=0)
 
 
 def _prompt_logprobs_request(reqs: list[Req], lens: list[int]) -> PromptLogprobsRequest | None:

@@ -272,7 +272,7 @@ class Scheduler:
         if not reqs:
             return None
         if decoding and self.cache.ensure_free(self.cache.decode_slots_needed(decoding)):
-            self.cache.alloc_decode(decoding, device=True)
+            self.cache.alloc_decode(decoding)
             reqs, lens = reqs + decoding, lens + [1] * len(decoding)
             self.stats.mixed_steps += 1
         inputs, sampled = self.prefill.build_step(reqs, lens)
