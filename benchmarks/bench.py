@@ -84,6 +84,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="KV admission's reserve for the running requests (engine default 0.3; 0: one page each)")
     p.add_argument("--disable-cascade-attn", action="store_true",
                    help="decode reads a shared prompt once per request (default: once per group, cascade decode)")
+    p.add_argument("--enable-piecewise-cuda-graph", action="store_true",
+                   help="engine option: extend (prefill) steps replay piecewise CUDA graphs")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None)
     p.add_argument("--decode-attention-backend", choices=DECODE_ATTENTION_BACKENDS, default=None,
                    help="decode kernel under the flashinfer backend (default auto: triton)")

@@ -51,7 +51,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine keyword options from the flags; presets skip the tokenizer (no detokenizer process)."""
     opts: dict[str, Any] = {"seed": args.seed, "skip_tokenizer_init": bool(args.preset),
                             "load_format": getattr(args, "load_format", "auto")}
-    for switch in ("enable_mixed_chunk", "disable_cascade_attn"):
+    for switch in ("enable_mixed_chunk", "disable_cascade_attn", "enable_piecewise_cuda_graph"):
         if getattr(args, switch, False):
             opts[switch] = True
     for name in ("max_running_requests", "mem_fraction_static", "max_total_tokens", "attention_backend",

@@ -109,6 +109,7 @@ def build_report(args: argparse.Namespace, model_path: str, device: str, dtype: 
         "mixed_steps": engine.step_stats.get("mixed_steps", 0),
         "retractions": engine.step_stats.get("retractions", 0),
         "graph_replays": engine.step_stats.get("graph_replays", {}),
+        "extend_graph_replays": engine.step_stats.get("extend_graph_replays", 0),
         "hf": hf.to_dict() if hf else None,
         "engine_over_hf": engine.result.output_tok_s / hf.output_tok_s if hf else None,
     }
@@ -146,7 +147,8 @@ def format_report(r: dict[str, Any]) -> str:
                      f"({pre['tokens'] / max(pre['seconds'], 1e-9):.0f} tok/s; the scheduler "
                      f"{pre.get('launch_seconds', 0):.2f} s scheduling and launching them, "
                      f"{pre.get('wait_seconds', 0):.2f} s waiting for them); {r.get('mixed_steps', 0)} of them "
-                     f"mixed with decode; {r.get('retractions', 0)} retractions")
+                     f"mixed with decode; {r.get('retractions', 0)} retractions; "
+                     f"{r.get('extend_graph_replays', 0)} replayed from piecewise CUDA graphs")
     if r.get("graph_replays"):
         lines.append(f"decode steps replayed from each CUDA graph variant: {r['graph_replays']}")
     f = r.get("run_floor")

@@ -181,6 +181,8 @@ def main() -> int:
                    help="send each prompt this many times (GRPO-shaped: the samples share the cached prompt, so "
                         "decode runs cascade attention over it)")
     p.add_argument("--disable-cascade-attn", action="store_true", help="the engines decode without cascade attention")
+    p.add_argument("--enable-piecewise-cuda-graph", action="store_true",
+                   help="the engines replay piecewise CUDA graphs for extend steps")
     p.add_argument("--decode-balance-ratio", type=float, default=4.0,
                    help="the engines' rule for cutting decode requests into pieces (default 4, the engine's; 0: every "
                         "step; inf: never)")
@@ -206,6 +208,7 @@ def main() -> int:
                        decode_attention_backend=args.decode_attention_backend, page_size=args.page_size,
                        disable_cuda_graph=args.disable_cuda_graph, enable_mixed_chunk=args.enable_mixed_chunk,
                        max_prefill_tokens=args.max_prefill_tokens, disable_cascade_attn=args.disable_cascade_attn,
+                       enable_piecewise_cuda_graph=args.enable_piecewise_cuda_graph,
                        decode_balance_ratio=args.decode_balance_ratio)
             for tp in args.tp_sizes.split(",")]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(args.device).eval()

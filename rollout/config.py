@@ -224,6 +224,13 @@ class EngineConfig:
     variant, captured the first time a step of that size has groups. Results are the same attention; other
     decode backends ignore the groups. GRPO rollouts on an H200: 2-4% faster with 200-800-token prompts,
     12-14% with 1,500-2,500 (docs/rl_rollouts.md).
+    ``enable_piecewise_cuda_graph`` and ``piecewise_cuda_graph_max_tokens`` (SGLang's names): extend (prefill)
+    steps of up to that many tokens (default ``max_prefill_tokens``) replay the layers between two attentions
+    as CUDA graphs, captured at start-up for padded token counts, with the attention run eagerly between them
+    (``rollout.model_executor.piecewise_graph_runner``), where supported (the fused CUDA path of a dense model
+    on one TP rank, no fp8 weights or KV); ``disable_cuda_graph`` turns them off too. Off by default: they cut
+    a 16k-token prefill step's host time ~3x, but once they are captured the decode steps ran 1-6% slower on an
+    H100, for a cause not yet found (docs/rl_rollouts.md).
     """
 
     model_path: str
@@ -264,6 +271,8 @@ class EngineConfig:
     schedule_conservativeness: float = 0.3
     disable_cascade_attn: bool = False
     decode_balance_ratio: float = 4.0
+    enable_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -294,6 +303,8 @@ class EngineConfig:
             raise ValueError(f"decode_balance_ratio must be >= 0, got {self.decode_balance_ratio}")
         if not self.schedule_conservativeness >= 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
+        if self.piecewise_cuda_graph_max_tokens is not None and self.piecewise_cuda_graph_max_tokens < 1:
+            raise ValueError(f"piecewise_cuda_graph_max_tokens must be >= 1, got {self.piecewise_cuda_graph_max_tokens}")
 
     @property
     def resolved_device(self) -> str:

@@ -104,7 +104,7 @@ class Recording(AttentionBackend):
         self.calls.append("init")
         batch.attn_metadata = self.name
 
-    def forward(self, q, k, v, layer, batch, kv_stored=False):
+    def forward(self, q, k, v, layer, batch, kv_stored=False, out=None):
         self.calls.append(("forward", kv_stored))
         return q
 
@@ -198,3 +198,47 @@ def test_decode_only_backends_refuse_extend_batches():
     require_decode(batch_of(ForwardMode.DECODE), "triton")
     with pytest.raises(ValueError, match="the triton attention backend runs decode batches only"):
         require_decode(batch_of(ForwardMode.EXTEND), "triton")
+
+
+def test_piecewise_token_sizes_cover_every_step_up_to_the_largest():
+    """The piecewise CUDA graph sizes: sorted, distinct, ending at the largest step; a step pads by at most
+    512 tokens up to 4,096 and 1,024 above (its GPU cost), and small steps pad little."""
+    from rollout.model_executor.piecewise_graph_runner import piecewise_token_sizes
+
+    sizes = piecewise_token_sizes(16384)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == 16384 and sizes[0] == 64
+    gaps = [b - a for a, b in zip(sizes, sizes[1:])]
+    assert max(g for g, a in zip(gaps, sizes) if a < 4096) <= 512 and max(gaps) <= 1024
+    assert piecewise_token_sizes(5000) == [64, 128, 256, 512, 768, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5000]
+    assert piecewise_token_sizes(100) == [64, 100] and piecewise_token_sizes(8) == [8]
+
+
+def test_attention_writes_into_a_given_output_buffer():
+    """``Attention.forward(out=...)`` (a piecewise CUDA graph's fixed buffer) returns the same values as without,
+    written into that buffer: the torch backend over an extend batch."""
+    import torch
+
+    from rollout.attention.common import AttentionSpec
+    from rollout.attention.registry import create_attention_backend
+    from rollout.layers.attention import Attention
+    from rollout.mem_cache.kv_pool import KVPool
+    from rollout.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, t = 4, 2, 16, 6
+    spec = AttentionSpec(heads, kv_heads, dim, dim ** -0.5, torch.float32, torch.float32, torch.device("cpu"),
+                         max_batch_size=4, max_context_len=16)
+    backend = create_attention_backend(spec, "torch_native", "auto")
+    pool = KVPool(32, 1, kv_heads, dim, torch.float32, "cpu")
+    table = torch.zeros(4, 16, dtype=torch.int32)
+    table[0, :t] = torch.arange(1, t + 1)
+    batch = ForwardBatch(ForwardMode.EXTEND, torch.zeros(t, dtype=torch.int64), torch.arange(t),
+                         torch.arange(1, t + 1), torch.tensor([0]), torch.tensor([t], dtype=torch.int32), [t], [t],
+                         pool, table, backend)
+    backend.init_forward_metadata(batch)
+    layer = Attention(0, heads, kv_heads, dim, dim ** -0.5)
+    q, k, v = torch.randn(t, heads * dim), torch.randn(t, kv_heads * dim), torch.randn(t, kv_heads * dim)
+    ref = layer(q, k, v, batch)
+    out = torch.full((t, heads * dim), float("nan"))
+    got = layer(q, k, v, batch, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, ref)

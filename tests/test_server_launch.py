@@ -136,7 +136,8 @@ def test_flags_have_sglang_names_and_map_to_engine_options():
                                 "--weight-version", "v0", "--disable-radix-cache",
                                 "--decode-attention-backend", "flashinfer", "--quantization", "fp8",
                                 "--cuda-graph-max-bs", "512", "--schedule-conservativeness", "0.3",
-                                "--disable-cascade-attn", "--decode-balance-ratio", "8"])
+                                "--disable-cascade-attn", "--decode-balance-ratio", "8",
+                                "--enable-piecewise-cuda-graph", "--piecewise-cuda-graph-max-tokens", "4096"])
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 30000, None)
     kwargs = args.engine_kwargs()
     assert kwargs["model_path"] == "/m" and kwargs["tp_size"] == 2 and kwargs["dtype"] == "bfloat16"
@@ -146,6 +147,7 @@ def test_flags_have_sglang_names_and_map_to_engine_options():
     assert kwargs["decode_attention_backend"] == "flashinfer" and kwargs["quantization"] == "fp8"
     assert kwargs["cuda_graph_max_bs"] == 512 and kwargs["schedule_conservativeness"] == 0.3
     assert kwargs["disable_cascade_attn"] is True and kwargs["decode_balance_ratio"] == 8.0
+    assert kwargs["enable_piecewise_cuda_graph"] is True and kwargs["piecewise_cuda_graph_max_tokens"] == 4096
     from rollout.config import EngineConfig
 
     assert set(kwargs) - {"model_path", "tp_size", "dtype", "device"} <= EngineConfig.field_names()

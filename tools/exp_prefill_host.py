@@ -31,11 +31,17 @@ def main() -> None:
     p.add_argument("--context", type=int, default=570)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--top", type=int, default=35)
+    p.add_argument("--enable-piecewise-cuda-graph", action="store_true", help="replay piecewise CUDA graphs")
     args = p.parse_args()
     ns = argparse.Namespace(model=None, preset=args.preset, batch=args.batch, context=args.context, steps=4,
                             device="cuda", no_graph=False, kv_cache_dtype="auto", quantization=None,
-                            page_size=1, decode_attention_backend="auto")
+                            page_size=1, decode_attention_backend="auto",
+                            enable_piecewise_cuda_graph=args.enable_piecewise_cuda_graph)
+    start = time.perf_counter()
     runner, cfg, _ = build(ns)
+    pieces = runner.piecewise_runner
+    print(f"runner built in {time.perf_counter() - start:.1f} s; piecewise CUDA graphs: "
+          f"{pieces.sizes if pieces is not None else 'off'}", flush=True)
     b, ctx = args.batch, args.context
     params = SamplingParams(temperature=0.6, ignore_eos=True, logprobs=0)
     info = runner.sampling_info([SamplingRow(params, seed=i, output_len=0, prompt_token_ids=[], output_token_ids=[],

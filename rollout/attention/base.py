@@ -37,10 +37,11 @@ class AttentionBackend:
         ``batch.attn_metadata``."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: "Attention",
-                batch: "ForwardBatch", kv_stored: bool = False) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hk, D] for the new tokens → output [T, Hq, D]. k and v are None, or given
-        with ``kv_stored``, when the model has already written them into the KV pool (given: a backend may
-        attend to them there instead of reading them back, see ``wants_fresh_kv``)."""
+                batch: "ForwardBatch", kv_stored: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hk, D] for the new tokens → output [T, Hq, D] (written into ``out``, of that
+        shape and the model dtype, when given: a piecewise CUDA graph's fixed buffer). k and v are None, or
+        given with ``kv_stored``, when the model has already written them into the KV pool (given: a backend
+        may attend to them there instead of reading them back, see ``wants_fresh_kv``)."""
         raise NotImplementedError
 
     def wants_fresh_kv(self, batch: "ForwardBatch") -> bool:

@@ -147,7 +147,7 @@ class FlashInferBackend(AttentionBackend):
         batch.attn_metadata = self._plan_decode(batch, state.wrapper)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: "Attention",
-                batch: "ForwardBatch", kv_stored: bool = False) -> torch.Tensor:
+                batch: "ForwardBatch", kv_stored: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         pool = batch.kv_pool
         if k is not None and not kv_stored:  # else the model already wrote them (fused rope kernel)
             pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
@@ -155,7 +155,13 @@ class FlashInferBackend(AttentionBackend):
         if meta.ragged:
             if k is None:
                 raise ValueError("a ragged prefill needs the new tokens' k and v (see wants_fresh_kv)")
-            return meta.wrapper.run(q.contiguous(), k, v)
+            return meta.wrapper.run(q.contiguous(), k, v, out=out)
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
-        out = meta.wrapper.run(q.to(self.q_dtype).contiguous(), (k_buf.unsqueeze(1), v_buf.unsqueeze(1)))
-        return out if out.dtype == self.spec.dtype else out.to(self.spec.dtype)
+        q = q.to(self.q_dtype).contiguous()
+        # an ``out`` always given, as the paged wrappers would zero-fill the one they make (a kernel per layer);
+        # every row is written, since each query attends at least to its own token
+        direct = out is not None and self.q_dtype == self.spec.dtype
+        res = meta.wrapper.run(q, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)), out=out if direct else torch.empty_like(q))
+        if out is None or direct:
+            return res if res.dtype == self.spec.dtype else res.to(self.spec.dtype)
+        return out.copy_(res)

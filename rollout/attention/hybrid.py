@@ -37,8 +37,8 @@ class HybridAttnBackend(AttentionBackend):
         self._backend(batch).init_forward_metadata(batch)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: "Attention",
-                batch: "ForwardBatch", kv_stored: bool = False) -> torch.Tensor:
-        return self._backend(batch).forward(q, k, v, layer, batch, kv_stored=kv_stored)
+                batch: "ForwardBatch", kv_stored: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._backend(batch).forward(q, k, v, layer, batch, kv_stored=kv_stored, out=out)
 
     def wants_fresh_kv(self, batch: "ForwardBatch") -> bool:
         return self._backend(batch).wants_fresh_kv(batch)

@@ -24,12 +24,12 @@ class TorchNativeBackend(AttentionBackend):
                                for row, n in zip(rows, batch.seq_lens_cpu)]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: "Attention",
-                batch: "ForwardBatch", kv_stored: bool = False) -> torch.Tensor:
+                batch: "ForwardBatch", kv_stored: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         pool = batch.kv_pool
         if k is not None and not kv_stored:  # else the model already wrote them (fused rope kernel)
             pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         start = 0
         for slots, ext, seq in zip(batch.attn_metadata, batch.extend_lens, batch.seq_lens_cpu):
             qi = q[start:start + ext].transpose(0, 1).unsqueeze(0)

@@ -157,14 +157,15 @@ class TritonAttnBackend(AttentionBackend):
                                                                   self._splits(max(1, bs // 8)))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: "Attention",
-                batch: "ForwardBatch", kv_stored: bool = False) -> torch.Tensor:
+                batch: "ForwardBatch", kv_stored: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         pool = batch.kv_pool
         if k is not None and not kv_stored:  # else the model already wrote them (fused rope kernel)
             pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         meta: TritonDecodeMetadata = batch.attn_metadata
         k_buf, v_buf = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
         # the kernel rounds q to its compute type and writes spec.dtype itself
-        out = torch.empty(q.shape, dtype=self.spec.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=self.spec.dtype, device=q.device)
         if meta.pieces is not None and meta.shared_prefix is None:
             return balanced_decode_attention(q.contiguous(), k_buf, v_buf, meta.kv_indptr, meta.kv_indices,
                                              self.spec.scaling, meta.pieces, self.split_counters, out=out)

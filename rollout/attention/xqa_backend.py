@@ -78,7 +78,7 @@ class XqaAttnBackend(AttentionBackend):
         batch.attn_metadata = XqaDecodeMetadata(pages, batch.seq_lens, pages.shape[1] * p)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: "Attention",
-                batch: "ForwardBatch", kv_stored: bool = False) -> torch.Tensor:
+                batch: "ForwardBatch", kv_stored: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """XQA over NHD pages. With a float8 pool on Hopper it runs TensorRT-LLM's float8 kernel, which
         rounds q (scaled by ``scaling * sqrt(head_dim)``, here 1 for the standard scale) and the softmax
         weights to float8 e4m3 for float8 tensor-core products; 16-bit pools run its 16-bit kernel."""
@@ -90,7 +90,8 @@ class XqaAttnBackend(AttentionBackend):
         k_pages = pool.paged(pool.k_buffers[layer.layer_id])
         v_pages = pool.paged(pool.v_buffers[layer.layer_id])
         q = q.contiguous()
-        out = torch.empty(q.shape, dtype=s.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=s.dtype, device=q.device)
         sem, scratch = self.xqa_workspace[:SEMAPHORE_BYTES], self.xqa_workspace[SEMAPHORE_BYTES:]
         self.xqa(q.to(s.dtype).unsqueeze(1), k_pages, v_pages, meta.page_table, meta.seq_lens.unsqueeze(1),
                  out.unsqueeze(1), scratch, sem, s.num_kv_heads, s.page_size,

@@ -23,13 +23,15 @@ class Attention(nn.Module):
         self.scaling = scaling
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                batch: "ForwardBatch", kv_stored: bool = False) -> torch.Tensor:
-        """Attention output [T, Hq * D]; k and v None (or given with ``kv_stored``) mean they are already in
-        the KV pool."""
+                batch: "ForwardBatch", kv_stored: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output [T, Hq * D] (written into ``out`` [T, Hq * D], contiguous, when given); k and v
+        None (or given with ``kv_stored``) mean they are already in the KV pool."""
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         if k is not None:
             k = k.view(t, self.num_kv_heads, self.head_dim)
             v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = batch.attn_backend.forward(q, k, v, self, batch, kv_stored=kv_stored)
-        return out.reshape(t, self.num_heads * self.head_dim)
+        if out is not None:
+            out = out.view(t, self.num_heads, self.head_dim)
+        res = batch.attn_backend.forward(q, k, v, self, batch, kv_stored=kv_stored, out=out)
+        return res.reshape(t, self.num_heads * self.head_dim)

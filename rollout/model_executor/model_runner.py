@@ -112,7 +112,7 @@ class ModelRunner:
         self.dtype = resolve_torch_dtype(config, model_cfg)
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.context_len = _context_len(config, model_cfg)
-        fused = use_fused_kernels(config, device, self.dtype)
+        fused = self.fused_kernels = use_fused_kernels(config, device, self.dtype)
         if device.type == "cuda" and self.dtype == torch.float32:
             logger.info("a float32 model on CUDA runs the torch kernels (FlashInfer's take float16 / bfloat16 only); "
                         "pass dtype='bfloat16' for the fast path")
@@ -144,6 +144,7 @@ class ModelRunner:
         self.sampler = Sampler(fused=fused)
         with self.memory.region("cuda_graph"):
             self.graph_runner = self._graph_runner()
+            self.piecewise_runner = self._piecewise_runner()
 
     def release_memory(self, tag: str, keep_weights: bool) -> None:
         """Release one memory tag (``memory_saver.TAGS``); the weights' contents are kept with
@@ -223,6 +224,21 @@ class ModelRunner:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
         return CudaGraphRunner(self, self.attn_backend, default_batch_sizes(max_bs), self.shared_prefix_members > 0)
 
+    def _piecewise_runner(self):
+        """Piecewise CUDA graphs for extend steps (``rollout.model_executor.piecewise_graph_runner``) with
+        ``enable_piecewise_cuda_graph``, unless ``disable_cuda_graph`` (no graphs at all) or the model runs a path
+        they do not support: not the fused CUDA path, TP > 1, fp8 weights, a KV pool not in the model dtype,
+        mixture-of-experts layers."""
+        cfg = self.config
+        if (not cfg.enable_piecewise_cuda_graph or cfg.disable_cuda_graph or not self.fused_kernels or self.tp.size > 1
+                or cfg.quantization is not None or self.kv_dtype != self.dtype or self.model_cfg.sparse_layers
+                or self.records_routing):
+            return None
+        from rollout.model_executor.piecewise_graph_runner import PiecewiseCudaGraphRunner, piecewise_token_sizes
+
+        return PiecewiseCudaGraphRunner(self, piecewise_token_sizes(cfg.piecewise_cuda_graph_max_tokens
+                                                                    or cfg.max_prefill_tokens))
+
     @property
     def shared_prefix_members(self) -> int:
         """The most rows of one ``StepInput.shared_prefixes`` group decode takes (0: cascade decode is off, by
@@ -246,14 +262,16 @@ class ModelRunner:
         batch = self._batch(step, list_to_device(step.input_ids, torch.int64, dev), rows, positions, out_slots,
                             list_to_device(step.seq_lens, torch.int32, dev))
         want = step.prompt_logprobs
-        if want is None:
-            return self.model(batch), None
         with torch.no_grad():
-            hidden = self.model.model(batch)
+            pieces = self.piecewise_runner
+            hidden = (pieces.forward(batch) if pieces is not None and pieces.can_run(len(step.positions))
+                      else self.model.model(batch))
+            logits = self.model.logits(batch, hidden)
+            if want is None:
+                return logits, None
             rows = hidden.index_select(0, list_to_device(want.indices, torch.int64, dev))
-            extra = prompt_logprobs(self.model.lm_head, rows, list_to_device(want.targets, torch.int64, dev),
-                                    want.top_k)
-            return self.model.logits(batch, hidden), extra
+            return logits, prompt_logprobs(self.model.lm_head, rows, list_to_device(want.targets, torch.int64, dev),
+                                           want.top_k)
 
     def _forward_decode(self, step: StepInput) -> torch.Tensor:
         """Decode from one host-to-device copy (``StepInput.decode_pack``). A CUDA graph's runner prepares

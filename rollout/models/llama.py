@@ -38,6 +38,13 @@ class LlamaAttention(nn.Module):
                               cfg.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor | Fp8Activation, batch: ForwardBatch) -> torch.Tensor:
+        return self.o_proj(self.attn(*self.project(positions, x, batch), batch))
+
+    def project(self, positions: torch.Tensor, x: torch.Tensor | Fp8Activation, batch: ForwardBatch,
+                q_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
+        """The attention's inputs from the normed hidden states: ``(q, k, v, kv_stored)`` for ``self.attn``
+        (q normed and roped; k and v None once the fused kernel has written them into the KV pool). ``q_out``
+        [T, Hq, D]: where the fused kernel writes q (a piecewise CUDA graph's fixed buffer)."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         t = x.shape[0]
         q = q.reshape(t, -1, self.head_dim)
@@ -52,15 +59,15 @@ class LlamaAttention(nn.Module):
             norms = {} if self.q_norm is None else dict(
                 q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight, norm_eps=self.q_norm.eps)
             q = rope_and_store_kv(q, k, v, positions, self.rotary.cos_cache, self.rotary.sin_cache,
-                                  pool.k_buffers[layer], pool.v_buffers[layer], batch.out_cache_loc, k_out=k_out,
-                                  **norms)
-            if fresh:
-                return self.o_proj(self.attn(q, k_out, v.contiguous(), batch, kv_stored=True))
-            return self.o_proj(self.attn(q, None, None, batch))
+                                  pool.k_buffers[layer], pool.v_buffers[layer], batch.out_cache_loc, q_out=q_out,
+                                  k_out=k_out, **norms)
+            return (q, k_out, v.contiguous(), True) if fresh else (q, None, None, False)
+        if q_out is not None:
+            raise ValueError("q_out needs the fused path (CUDA with FlashInfer)")
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch))
+        return q, k, v, False
 
 
 class LlamaMLP(nn.Module):
@@ -106,12 +113,23 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, stored, residual = self.attention_inputs(positions, x, residual, batch)
+        return self.attention_output(self.self_attn.attn(q, k, v, batch, kv_stored=stored), residual, batch)
+
+    def attention_inputs(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                         batch: ForwardBatch, q_out: torch.Tensor | None = None):
+        """The layer up to its attention: the input norm (adding ``x`` into ``residual``, which the fused norm
+        does in place) and ``LlamaAttention.project``; returns ``(q, k, v, kv_stored, residual)``."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, batch)
-        h, residual = self.post_attention_layernorm(h, residual)
+        return (*self.self_attn.project(positions, h, batch, q_out), residual)
+
+    def attention_output(self, attn: torch.Tensor, residual: torch.Tensor,
+                         batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its attention (output [T, Hq * D]): o_proj, the norm, the MLP; ``(x, residual)``."""
+        h, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
         return (self.mlp(h, batch) if self.sparse else self.mlp(h)), residual
 
 

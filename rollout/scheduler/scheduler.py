@@ -94,14 +94,18 @@ class Scheduler:
 
     def get_step_stats(self, req: GetStepStatsReq) -> dict[str, Any]:
         """``SchedulerStats.snapshot``, plus the decode steps replayed from each CUDA graph variant ("plain",
-        "cascade", "balanced"; empty without graphs) and ``launched_steps``, the step count ``start_profile``'s
-        ``start_step`` refers to."""
+        "cascade", "balanced"; empty without graphs), the extend steps replayed from piecewise CUDA graphs
+        (``extend_graph_replays``) and ``launched_steps``, the step count ``start_profile``'s ``start_step``
+        refers to."""
         out = self.stats.snapshot(req.reset)
         out["launched_steps"] = self.profiler.steps
-        graphs = self.runner.graph_runner
+        graphs, pieces = self.runner.graph_runner, self.runner.piecewise_runner
         out["graph_replays"] = dict(graphs.replays) if graphs is not None else {}
+        out["extend_graph_replays"] = pieces.replays if pieces is not None else 0
         if req.reset and graphs is not None:
             graphs.replays.clear()
+        if req.reset and pieces is not None:
+            pieces.replays = 0
         return out
 
     @property

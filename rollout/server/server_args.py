@@ -32,11 +32,13 @@ _ENGINE_OPTIONS = {
     "cuda_graph_max_bs": "cuda_graph_max_bs",
     "schedule_conservativeness": "schedule_conservativeness",
     "decode_balance_ratio": "decode_balance_ratio",
+    "piecewise_cuda_graph_max_tokens": "piecewise_cuda_graph_max_tokens",
 }
 
 # on/off flags, passed to the Engine (same field name) only when set
 _ENGINE_SWITCHES = ("disable_radix_cache", "keep_weight_copy", "enable_memory_saver", "enable_return_routed_experts",
-                    "update_weights_in_flight", "enable_mixed_chunk", "disable_cascade_attn")
+                    "update_weights_in_flight", "enable_mixed_chunk", "disable_cascade_attn",
+                    "enable_piecewise_cuda_graph")
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class ServerArgs:
     update_weights_in_flight: bool = False
     enable_mixed_chunk: bool = False
     disable_cascade_attn: bool = False
+    enable_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: int | None = None
     log_level: str = "info"
     log_interval: float | None = None
     log_requests: bool = False
@@ -178,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill steps also decode the running requests (SGLang's mixed chunk)")
     p.add_argument("--disable-cascade-attn", action="store_true",
                    help="decode reads a prefix that running requests share once per request, not once per group")
+    p.add_argument("--enable-piecewise-cuda-graph", action="store_true",
+                   help="extend (prefill) steps replay piecewise CUDA graphs (attention eager between them)")
+    p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,
+                   help="largest extend step replayed from piecewise CUDA graphs (default: --max-prefill-tokens)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-interval", type=float, default=None, help="seconds between scheduler log lines")
     p.add_argument("--log-requests", action="store_true", help="log every HTTP request (uvicorn access log)")
