@@ -304,7 +304,8 @@ class EngineConfig:
         if not self.schedule_conservativeness >= 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
         if self.piecewise_cuda_graph_max_tokens is not None and self.piecewise_cuda_graph_max_tokens < 1:
-            raise ValueError(f"piecewise_cuda_graph_max_tokens must be >= 1, got {self.piecewise_cuda_graph_max_tokens}")
+            raise ValueError(f"piecewise_cuda_graph_max_tokens must be >= 1, "
+                             f"got {self.piecewise_cuda_graph_max_tokens}")
 
     @property
     def resolved_device(self) -> str:

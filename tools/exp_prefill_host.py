@@ -74,7 +74,8 @@ def main() -> None:
     t0 = time.perf_counter()
     timed = run(inputs)
     wall = time.perf_counter() - t0
-    print(f"{args.preset}: prefill steps of {b} x {ctx} tokens, {len(inputs)} overlapped: {wall / len(inputs) * 1e3:.2f}"
+    print(f"{args.preset}: prefill steps of {b} x {ctx} tokens, {len(inputs)} overlapped: "
+          f"{wall / len(inputs) * 1e3:.2f}"
           f" ms per step wall; host launch per step {[round(h * 1e3, 2) for h, _ in timed]} ms; GPU span per step "
           f"{[round(g, 2) for _, g in timed]} ms", flush=True)
     gpu = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -269,8 +269,8 @@ class ModelRunner:
             logits = self.model.logits(batch, hidden)
             if want is None:
                 return logits, None
-            rows = hidden.index_select(0, list_to_device(want.indices, torch.int64, dev))
-            return logits, prompt_logprobs(self.model.lm_head, rows, list_to_device(want.targets, torch.int64, dev),
+            picked = hidden.index_select(0, list_to_device(want.indices, torch.int64, dev))
+            return logits, prompt_logprobs(self.model.lm_head, picked, list_to_device(want.targets, torch.int64, dev),
                                            want.top_k)
 
     def _forward_decode(self, step: StepInput) -> torch.Tensor:

@@ -13,10 +13,12 @@ each piece is replayed with the attention of the first T rows run between them, 
 (``init_forward_metadata``) and writing into the buffer the next piece reads. Rows past T compute garbage
 that no real row sees: every op of a piece is row-wise.
 
-On with ``EngineConfig.enable_piecewise_cuda_graph``. Supported: the fused CUDA path of a dense model (no mixture of experts, no fp8 weights), one TP rank, a KV
-pool in the model dtype (a float8 pool wants the new tokens' K/V in the attention call: ``wants_fresh_kv``).
-The model runner falls back to the eager forward otherwise, and for steps of more than ``max(sizes)`` tokens.
-Weights are never rebound (updates copy in place), so graphs stay valid across updates.
+On with ``EngineConfig.enable_piecewise_cuda_graph`` (off by default: on an H100 every decode graph replay
+took ~0.1 ms longer once these were captured, for a cause not found; docs/rl_rollouts.md). Supported: the fused
+CUDA path of a dense model (no mixture of experts, no fp8 weights), one TP rank, a KV pool in the model dtype
+(a float8 pool wants the new tokens' K/V in the attention call: ``wants_fresh_kv``). The model runner falls back
+to the eager forward otherwise, and for steps of more than ``max(sizes)`` tokens. Weights are never rebound
+(updates copy in place), so graphs stay valid across updates.
 """
 
 from __future__ import annotations

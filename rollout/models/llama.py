@@ -41,7 +41,8 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(*self.project(positions, x, batch), batch))
 
     def project(self, positions: torch.Tensor, x: torch.Tensor | Fp8Activation, batch: ForwardBatch,
-                q_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
+                q_out: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
         """The attention's inputs from the normed hidden states: ``(q, k, v, kv_stored)`` for ``self.attn``
         (q normed and roped; k and v None once the fused kernel has written them into the KV pool). ``q_out``
         [T, Hq, D]: where the fused kernel writes q (a piecewise CUDA graph's fixed buffer)."""
