@@ -71,8 +71,8 @@ def prefill_input(runner, batch: int, context: int, vocab: int):
     rows = list(range(batch))
     slots = torch.arange(1, 1 + batch * context, dtype=torch.int64)
     positions = list(range(context)) * batch
-    # one table write for the whole batch, as one prefill step's worth of host work (not one per row)
-    runner.req_to_token.write_many([r for r in rows for _ in range(context)], positions, slots)
+    # the host table only, as the scheduler writes it: the step's forward writes the device table
+    runner.req_to_token.write_many([r for r in rows for _ in range(context)], positions, slots, device=False)
     ids = torch.randint(3, vocab - 1, (batch * context,)).tolist()
     return StepInput(ForwardMode.EXTEND, rows, ids, positions, slots, [context] * batch, [context] * batch)
 

@@ -61,7 +61,7 @@ class PiecewiseCudaGraphRunner:
         self.runner = runner
         self.sizes = sorted(sizes)
         self.max_tokens = self.sizes[-1]
-        model = runner.model.model
+        self.model = model = runner.model.model
         self.layers = list(model.layers)
         attn = self.layers[0].self_attn.attn
         dev, dtype, n = runner.device, runner.dtype, self.max_tokens
@@ -100,11 +100,11 @@ class PiecewiseCudaGraphRunner:
         """Piece ``i`` over the first ``size`` rows of the fixed buffers (see the module doc)."""
         residual = self.residual[:size]
         if i == 0:
-            x, res_in = self.runner.model.model.embed_tokens(batch.input_ids), None
+            x, res_in = self.model.embed_tokens(batch.input_ids), None
         else:
             x, res_in = self.layers[i - 1].attention_output(self.attn[:size], residual, batch)
         if i == len(self.layers):
-            self.hidden[:size].copy_(self.runner.model.model.norm(x, res_in)[0])
+            self.hidden[:size].copy_(self.model.norm(x, res_in)[0])
             return
         out = self.layers[i].attention_inputs(batch.positions, x, res_in, batch, q_out=self.q[:size])
         if out[-1].data_ptr() != residual.data_ptr():  # the first layer's residual is the embedding
