@@ -86,8 +86,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="decode reads a shared prompt once per request (default: once per group, cascade decode)")
     p.add_argument("--enable-piecewise-cuda-graph", action="store_true",
                    help="engine option: extend (prefill) steps replay piecewise CUDA graphs")
-    p.add_argument("--decode-gemm-max-bs", type=int, default=None,
-                   help="engine option: decode steps of up to this many requests run the fused projections (0: off)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None)
     p.add_argument("--decode-attention-backend", choices=DECODE_ATTENTION_BACKENDS, default=None,
                    help="decode kernel under the flashinfer backend (default auto: triton)")

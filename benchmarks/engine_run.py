@@ -57,7 +57,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("max_running_requests", "mem_fraction_static", "max_total_tokens", "attention_backend",
                  "decode_attention_backend", "kv_cache_dtype", "quantization", "page_size", "chunked_prefill_size",
                  "max_prefill_tokens", "cuda_graph_max_bs", "schedule_conservativeness",
-                 "decode_balance_ratio", "decode_gemm_max_bs"):
+                 "decode_balance_ratio"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     return opts

@@ -183,8 +183,6 @@ def main() -> int:
     p.add_argument("--disable-cascade-attn", action="store_true", help="the engines decode without cascade attention")
     p.add_argument("--enable-piecewise-cuda-graph", action="store_true",
                    help="the engines replay piecewise CUDA graphs for extend steps")
-    p.add_argument("--decode-gemm-max-bs", type=int, default=None,
-                   help="the engines' fused decode projections up to this batch size (default: the engine's)")
     p.add_argument("--decode-balance-ratio", type=float, default=4.0,
                    help="the engines' rule for cutting decode requests into pieces (default 4, the engine's; 0: every "
                         "step; inf: never)")
@@ -211,8 +209,7 @@ def main() -> int:
                        disable_cuda_graph=args.disable_cuda_graph, enable_mixed_chunk=args.enable_mixed_chunk,
                        max_prefill_tokens=args.max_prefill_tokens, disable_cascade_attn=args.disable_cascade_attn,
                        enable_piecewise_cuda_graph=args.enable_piecewise_cuda_graph,
-                       decode_balance_ratio=args.decode_balance_ratio,
-                       **({} if args.decode_gemm_max_bs is None else {"decode_gemm_max_bs": args.decode_gemm_max_bs}))
+                       decode_balance_ratio=args.decode_balance_ratio)
             for tp in args.tp_sizes.split(",")]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(args.device).eval()
     worst = 0.0

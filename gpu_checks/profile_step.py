@@ -44,9 +44,7 @@ def build(args: argparse.Namespace):
                           max_running_requests=max(args.batch, 1), disable_cuda_graph=args.no_graph,
                           kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, page_size=page,
                           decode_attention_backend=args.decode_attention_backend,
-                          enable_piecewise_cuda_graph=getattr(args, "enable_piecewise_cuda_graph", False),
-                          **({} if getattr(args, "decode_gemm_max_bs", None) is None
-                             else {"decode_gemm_max_bs": args.decode_gemm_max_bs}))
+                          enable_piecewise_cuda_graph=getattr(args, "enable_piecewise_cuda_graph", False))
     runner = ModelRunner(config, cfg, TPGroup(), torch.device(args.device))
     kv_bytes = kv_cache_torch_dtype(args.kv_cache_dtype, torch.bfloat16).itemsize
     return runner, cfg, model_bytes(cfg, 1, 2, kv_bytes, quantization=args.quantization)
@@ -97,7 +95,6 @@ def main() -> None:
     p.add_argument("--decode-attention-backend", default="auto")
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--enable-piecewise-cuda-graph", action="store_true", help="piecewise CUDA graphs for prefill")
-    p.add_argument("--decode-gemm-max-bs", type=int, default=None, help="fused decode projections up to this batch")
     args = p.parse_args()
     from rollout.layers.sampling_info import SamplingRow
     from rollout.sampling_params import SamplingParams

@@ -273,7 +273,6 @@ class EngineConfig:
     decode_balance_ratio: float = 4.0
     enable_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int | None = None
-    decode_gemm_max_bs: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -304,8 +303,6 @@ class EngineConfig:
             raise ValueError(f"decode_balance_ratio must be >= 0, got {self.decode_balance_ratio}")
         if not self.schedule_conservativeness >= 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
-        if not 0 <= self.decode_gemm_max_bs <= 64:
-            raise ValueError(f"decode_gemm_max_bs must be in [0, 64], got {self.decode_gemm_max_bs}")
         if self.piecewise_cuda_graph_max_tokens is not None and self.piecewise_cuda_graph_max_tokens < 1:
             raise ValueError(f"piecewise_cuda_graph_max_tokens must be >= 1, "
                              f"got {self.piecewise_cuda_graph_max_tokens}")

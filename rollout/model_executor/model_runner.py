@@ -143,17 +143,8 @@ class ModelRunner:
         self.allocator = SlotAllocator(self.num_slots, config.page_size)
         self.sampler = Sampler(fused=fused)
         with self.memory.region("cuda_graph"):
-            self._enable_decode_gemm()
             self.graph_runner = self._graph_runner()
             self.piecewise_runner = self._piecewise_runner()
-
-    def _enable_decode_gemm(self) -> None:
-        """Small decode batches through the fused projections (``EngineConfig.decode_gemm_max_bs``), where
-        the model supports them on the fused CUDA path."""
-        model = self.model.model
-        if (self.config.decode_gemm_max_bs and self.fused_kernels
-                and model.decode_gemm_supported(self.model_cfg, self.tp, self.config.quantization)):
-            model.enable_decode_gemm(self.config.decode_gemm_max_bs, self.device)
 
     def release_memory(self, tag: str, keep_weights: bool) -> None:
         """Release one memory tag (``memory_saver.TAGS``); the weights' contents are kept with

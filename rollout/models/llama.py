@@ -3,7 +3,7 @@ kin Qwen3-MoE (Qwen3's attention) and Mixtral (Mistral's), tensor-parallel."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +17,8 @@ from rollout.layers.linear import MergedColumnParallelLinear, QKVParallelLinear,
 from rollout.layers.norm import RMSNorm
 from rollout.layers.quantization import Fp8Activation, fused_quant_supports
 from rollout.layers.rotary import RotaryEmbedding, rope_inv_freq
-from rollout.model_executor.forward_batch import ForwardBatch, ForwardMode
+from rollout.model_executor.forward_batch import ForwardBatch
 from rollout.models.moe import SparseMoeBlock
-
-if TYPE_CHECKING:
-    from rollout.kernels.decode_gemm import DecodeGemmScratch, SumSq
 
 
 class LlamaAttention(nn.Module):
@@ -49,14 +46,8 @@ class LlamaAttention(nn.Module):
         """The attention's inputs from the normed hidden states: ``(q, k, v, kv_stored)`` for ``self.attn``
         (q normed and roped; k and v None once the fused kernel has written them into the KV pool). ``q_out``
         [T, Hq, D]: where the fused kernel writes q (a piecewise CUDA graph's fixed buffer)."""
-        return self.rope_qkv(positions, self.qkv_proj(x), batch, q_out)
-
-    def rope_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch,
-                 q_out: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
-        """``project`` from the QKV projection's output [T, (Hq + 2 Hkv) D]."""
-        q, k, v = self.qkv_proj.split(qkv)
-        t = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        t = x.shape[0]
         q = q.reshape(t, -1, self.head_dim)
         k = k.reshape(t, -1, self.head_dim)
         if self.fused:  # one Triton kernel: q/k norm and rope on q and k, k and v written into the KV pool
@@ -143,26 +134,6 @@ class LlamaDecoderLayer(nn.Module):
         return (self.mlp(h, batch) if self.sparse else self.mlp(h)), residual
 
 
-    def forward_decode_gemm(self, positions: torch.Tensor, residual: torch.Tensor, sumsq: SumSq,
-                            batch: ForwardBatch, scratch: DecodeGemmScratch) -> None:
-        """The layer on a small decode batch in 6 kernels (``rollout.kernels.decode_gemm``): ``residual`` (the
-        stream, its rows' sums of squares in ``sumsq``) gets the attention's and the MLP's outputs added in
-        place, as ``forward`` would return them summed (same arithmetic; only float32 sums' order differs)."""
-        from rollout.kernels.decode_gemm import decode_gemm
-
-        attn, mlp = self.self_attn, self.mlp
-        norm = self.input_layernorm
-        qkv = decode_gemm(residual, attn.qkv_proj.weight, scratch, bias=attn.qkv_proj.bias,
-                          norm=(sumsq, norm.weight, norm.eps))
-        q, k, v, stored = attn.rope_qkv(positions, qkv, batch)
-        decode_gemm(attn.attn(q, k, v, batch, kv_stored=stored), attn.o_proj.weight, scratch,
-                    residual=(residual, sumsq))
-        norm = self.post_attention_layernorm
-        act = decode_gemm(residual, mlp.gate_up_proj.weight, scratch, norm=(sumsq, norm.weight, norm.eps),
-                          silu_mul=True)
-        decode_gemm(act, mlp.down_proj.weight, scratch, residual=(residual, sumsq))
-
-
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup, dtype: torch.dtype, device: Any,
                  fused: bool = False, quant: str | None = None) -> None:
@@ -174,51 +145,13 @@ class LlamaModel(nn.Module):
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
         self.rotary = rotary
-        self.decode_gemm: DecodeGemmScratch | None = None
-        self.decode_gemm_max_bs = 0
-
-    def decode_gemm_supported(self, cfg: ModelConfig, tp: TPGroup, quant: str | None) -> bool:
-        """Whether ``enable_decode_gemm`` may be called: one TP rank, dense layers in the model dtype (bf16 /
-        fp16), every projection's width a multiple of the kernel's tiles."""
-        from rollout.kernels import decode_gemm as dg
-
-        layer = self.layers[0]
-        widths = [cfg.hidden_size, layer.self_attn.qkv_proj.out_local, layer.self_attn.o_proj.in_local,
-                  cfg.intermediate_size]
-        return (tp.size == 1 and quant is None and not cfg.sparse_layers
-                and self.embed_tokens.weight.dtype in (torch.bfloat16, torch.float16)
-                and all(w % dg.BLOCK_N == 0 and w % dg.BLOCK_K == 0 for w in widths))
-
-    def enable_decode_gemm(self, max_bs: int, device: torch.device) -> None:
-        """Decode steps of at most ``max_bs`` (<= ``decode_gemm.MAX_ROWS``) requests run each layer through
-        ``LlamaDecoderLayer.forward_decode_gemm``; its scratch is made here (on ``device``)."""
-        from rollout.kernels import decode_gemm as dg
-
-        if not 1 <= max_bs <= dg.MAX_ROWS:
-            raise ValueError(f"decode GEMM batch sizes are 1..{dg.MAX_ROWS}, got {max_bs}")
-        layer = self.layers[0]
-        widest = max(layer.self_attn.qkv_proj.out_local, layer.mlp.gate_up_proj.out_local // 2,
-                     self.embed_tokens.weight.shape[1])
-        self.decode_gemm = dg.DecodeGemmScratch(widest, device)
-        self.decode_gemm_max_bs = max_bs
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        if (self.decode_gemm is not None and batch.mode == ForwardMode.DECODE
-                and x.shape[0] <= self.decode_gemm_max_bs):
-            return self._forward_decode_gemm(x, batch)
         residual = None
         for layer in self.layers:
             x, residual = layer(batch.positions, x, residual, batch)
         return self.norm(x, residual)[0]
-
-    def _forward_decode_gemm(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        from rollout.kernels.decode_gemm import start_rows
-
-        sumsq = start_rows(x, self.decode_gemm)
-        for layer in self.layers:
-            layer.forward_decode_gemm(batch.positions, x, sumsq, batch, self.decode_gemm)
-        return self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):
