@@ -46,8 +46,10 @@ class CudaGraphRunner:
     """Captures and replays decode forwards for the batch sizes in ``batch_sizes``."""
 
     def __init__(self, runner: "ModelRunner", backend: "AttentionBackend", batch_sizes: list[int],
-                 shared_prefix: bool = False) -> None:
+                 shared_prefix: bool = False, stream: torch.cuda.Stream | None = None) -> None:
+        """``stream``: where the graphs are captured (the model runner's one capture stream; default a new one)."""
         self.runner = runner
+        self.stream = stream if stream is not None else torch.cuda.Stream(runner.device)
         self.backend = backend
         self.shared_prefix = shared_prefix and backend.max_shared_prefix_members > 0
         self.batch_sizes = sorted(batch_sizes)
@@ -86,7 +88,6 @@ class CudaGraphRunner:
             balanced_decode=balanced)
 
     def capture(self) -> None:
-        self.stream = torch.cuda.Stream(self.runner.device)
         for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory
             self.states[bs] = self.backend.graph_state(bs)
             self._capture(bs, "plain")

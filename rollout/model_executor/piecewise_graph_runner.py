@@ -13,8 +13,10 @@ each piece is replayed with the attention of the first T rows run between them, 
 (``init_forward_metadata``) and writing into the buffer the next piece reads. Rows past T compute garbage
 that no real row sees: every op of a piece is row-wise.
 
-On with ``EngineConfig.enable_piecewise_cuda_graph`` (off by default: on an H100 every decode graph replay
-took ~0.1 ms longer once these were captured, for a cause not found; docs/rl_rollouts.md). Supported: the fused
+On with ``EngineConfig.enable_piecewise_cuda_graph``. They are captured before the decode graphs and on the
+same stream: captured after them, or on a stream of their own, they cost every decode graph replay ~0.1 ms on
+an H100 (the decode graph's kernels stopped overlapping through programmatic dependent launch;
+docs/rl_rollouts.md). Supported: the fused
 CUDA path of a dense model (no mixture of experts, no fp8 weights), one TP rank, a KV pool in the model dtype
 (a float8 pool wants the new tokens' K/V in the attention call: ``wants_fresh_kv``). The model runner falls back
 to the eager forward otherwise, and for steps of more than ``max(sizes)`` tokens. Weights are never rebound
@@ -57,8 +59,10 @@ class _CaptureBackend:
 class PiecewiseCudaGraphRunner:
     """Captures the pieces of the extend forward for each of ``sizes`` and replays them (``forward``)."""
 
-    def __init__(self, runner: "ModelRunner", sizes: list[int]) -> None:
+    def __init__(self, runner: "ModelRunner", sizes: list[int], stream: torch.cuda.Stream | None = None) -> None:
+        """``stream``: where the pieces are captured (the model runner's one capture stream; default a new one)."""
         self.runner = runner
+        self.stream = stream if stream is not None else torch.cuda.Stream(runner.device)
         self.sizes = sorted(sizes)
         self.max_tokens = self.sizes[-1]
         self.model = model = runner.model.model
@@ -112,7 +116,7 @@ class PiecewiseCudaGraphRunner:
 
     def capture(self) -> None:
         dev = self.runner.device
-        stream, current = torch.cuda.Stream(dev), torch.cuda.current_stream(dev)
+        stream, current = self.stream, torch.cuda.current_stream(dev)
         stream.wait_stream(current)
         with torch.no_grad(), torch.cuda.stream(stream):
             for size in reversed(self.sizes):  # largest first, so smaller sizes reuse its memory
