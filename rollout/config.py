@@ -228,9 +228,10 @@ class EngineConfig:
     steps of up to that many tokens (default ``max_prefill_tokens``) replay the layers between two attentions
     as CUDA graphs, captured at start-up for padded token counts, with the attention run eagerly between them
     (``rollout.model_executor.piecewise_graph_runner``), where supported (the fused CUDA path of a dense model
-    on one TP rank, no fp8 weights or KV); ``disable_cuda_graph`` turns them off too. Off by default: they cut
-    a 16k-token prefill step's host time ~3x, but once they are captured the decode steps ran 1-6% slower on an
-    H100, for a cause not yet found (docs/rl_rollouts.md).
+    on one TP rank, no fp8 weights or KV); ``disable_cuda_graph`` turns them off too. They cut a 16k-token
+    prefill step's host time ~3x, so the prefill no longer waits for a busy host (a colocated trainer's
+    processes); off by default, since on an idle host the output tok/s did not move on an H100 and they add
+    start-up time (~6.5 s for a 0.6B model) and graph memory (docs/rl_rollouts.md).
     """
 
     model_path: str

@@ -335,8 +335,9 @@ def main() -> None:
                     if n % bn or k % (BLOCK_K * split) or (n // bn) * split > 1024:
                         continue
                     config = GemmConfig(bn, split, warps, stages, prefetch)
+                    ss_out = SumSq(torch.zeros(m, n // bn, device=dev)) if kind == "residual" else ss
                     try:
-                        t = us(fused(kind, x, res, ss, ws, norm_w, scratch, config))
+                        t = us(fused(kind, x, res, ss_out, ws, norm_w, scratch, config))
                     except Exception as e:  # noqa: BLE001  (a launch the compiler refuses)
                         print(f"  {config}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
                         continue
