@@ -230,8 +230,9 @@ class EngineConfig:
     (``rollout.model_executor.piecewise_graph_runner``), where supported (the fused CUDA path of a dense model
     on one TP rank, no fp8 weights or KV); ``disable_cuda_graph`` turns them off too. They cut a 16k-token
     prefill step's host time ~3x, so the prefill no longer waits for a busy host (a colocated trainer's
-    processes); off by default, since on an idle host the output tok/s did not move on an H100 and they add
-    start-up time (~6.5 s for a 0.6B model) and graph memory (docs/rl_rollouts.md).
+    processes); off by default, since on an idle host the output tok/s did not move on an H100 and their
+    graphs hold device memory the KV cache could use (at 16,384 tokens 1.0 GiB for Qwen3-0.6B, 4.1 GiB for
+    Llama-3.1-8B; docs/rl_rollouts.md).
     """
 
     model_path: str
