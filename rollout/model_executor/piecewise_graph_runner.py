@@ -16,10 +16,10 @@ that no real row sees: every op of a piece is row-wise.
 On with ``EngineConfig.enable_piecewise_cuda_graph``. They are captured before the decode graphs and on the
 same stream: captured after them, or on a stream of their own, they cost every decode graph replay ~0.1 ms on
 an H100 (the decode graph's kernels stopped overlapping through programmatic dependent launch;
-docs/rl_rollouts.md). Supported: the fused
-CUDA path of a dense model (no mixture of experts, no fp8 weights), one TP rank, a KV pool in the model dtype
-(a float8 pool wants the new tokens' K/V in the attention call: ``wants_fresh_kv``). The model runner falls back
-to the eager forward otherwise, and for steps of more than ``max(sizes)`` tokens. Weights are never rebound
+docs/rl_rollouts.md). Supported: the fused CUDA path of a dense model (no mixture of experts, no fp8 weights),
+one TP rank, a KV pool in the model dtype (a float8 pool wants the new tokens' K/V in the attention call:
+``wants_fresh_kv``). The model runner falls back to the eager forward otherwise, and for steps of more than
+``max(sizes)`` tokens. Weights are never rebound
 (updates copy in place), so graphs stay valid across updates.
 """
 
