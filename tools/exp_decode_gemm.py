@@ -15,7 +15,7 @@ For each projection and row count this times the layer's kernels as the engine r
 RMSNorm before QKV and gate_up, cuBLAS's ``F.linear``, FlashInfer's SiLU·mul after gate_up; O and down alone)
 against ``decode_gemm`` doing the same work over a grid of launches: 28 calls with distinct weights captured
 in one CUDA graph, median of 7 replays, per call. Caveat: consecutive calls of one kernel overlap through PDL
-(the next one prefetches its weights while the previous computes), which flatters the Triton kernel. Wired
+(the next one prefetches its weights while the previous computes), which likely flatters the Triton kernel. Wired
 into the engine (commit e8d9349, ``decode_gemm_max_bs``), the whole decode step was not faster on an H100 at
 any batch size (docs/rl_rollouts.md), so the engine keeps cuBLAS and FlashInfer.
 """
