@@ -1,6 +1,6 @@
 """Fused decode projections for small batches, against what they replace; an experiment the engine did not keep.
 
-    python tools/exp_decode_gemm.py [--shapes qwen3-0.6b,llama-3.1-8b] [--rows 1,16,32,64] [--quick]
+    python tools/exp_decode_gemm.py [--shapes qwen3-0.6b,llama-3.1-8b] [--rows 1,16,32,64] [--quick] [--chain 600]
 
 At small decode batches a dense layer is ~10 kernels (add + RMSNorm, QKV, rope, attention, O, add + RMSNorm,
 gate_up, SiLU·mul, down, cuBLAS's split-K reductions), each costing a few microseconds whatever its bytes. The
@@ -15,7 +15,9 @@ For each projection and row count this times the layer's kernels as the engine r
 RMSNorm before QKV and gate_up, cuBLAS's ``F.linear``, FlashInfer's SiLU·mul after gate_up; O and down alone)
 against ``decode_gemm`` doing the same work over a grid of launches: 28 calls with distinct weights captured
 in one CUDA graph, median of 7 replays, per call. Caveat: consecutive calls of one kernel overlap through PDL
-(the next one prefetches its weights while the previous computes), which likely flatters the Triton kernel. Wired
+(the next one prefetches its weights while the previous computes), which flatters the Triton kernel: ``--chain``
+times whole layers in order instead, with a memory-bound stand-in for the attention (one H100: 1.31x per
+projection at 16 rows, 1.09x as layers). Wired
 into the engine (commit e8d9349, ``decode_gemm_max_bs``), the whole decode step was not faster on an H100 at
 any batch size (docs/rl_rollouts.md), so the engine keeps cuBLAS and FlashInfer.
 """
@@ -305,14 +307,65 @@ def fused(kind: str, x, res, ss, ws, norm_w, scratch, config):
     return run
 
 
+def chain(shapes: str, m: int, context: int) -> None:
+    """Whole layers in order, 28 of them in one CUDA graph, unfused against fused, with a stand-in for the
+    attention between QKV and O (a sum over a KV-sized buffer of ``context`` tokens a row: a memory-bound kernel
+    of about the attention's bytes, without PDL); ms per forward, median of 7 replays."""
+    from flashinfer.activation import silu_and_mul
+    from flashinfer.norm import fused_add_rmsnorm
+
+    dev = torch.device("cuda")
+    (_, n_qkv, hidden, _), (_, _, k_o, _), (_, inter, _, _), _ = SHAPES[shapes]
+
+    def w(n, k):
+        return torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5
+    layers = [(w(n_qkv, hidden), w(hidden, k_o), w(2 * inter, hidden), w(hidden, inter)) for _ in range(LAYERS)]
+    norm_w = torch.ones(hidden, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(m * context, n_qkv - k_o, device=dev, dtype=torch.bfloat16)  # one layer's K and V of the rows
+    attn_x = torch.randn(m, k_o, device=dev, dtype=torch.bfloat16)
+    h = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
+    res = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
+    scratch = DecodeGemmScratch(max(n_qkv, inter, hidden), dev)
+    ss = start_rows(res, scratch)
+
+    def unfused():
+        x = h
+        for w_qkv, w_o, w_gu, w_d in layers:
+            fused_add_rmsnorm(x, res, norm_w, 1e-6)
+            F.linear(x, w_qkv)
+            kv.sum(0)
+            o = F.linear(attn_x, w_o)
+            fused_add_rmsnorm(o, res, norm_w, 1e-6)
+            x = F.linear(silu_and_mul(F.linear(o, w_gu)), w_d)
+
+    def fused_layers():
+        for w_qkv, w_o, w_gu, w_d in layers:
+            decode_gemm(res, w_qkv, scratch, norm=(ss, norm_w, 1e-6))
+            kv.sum(0)
+            decode_gemm(attn_x, w_o, scratch, residual=(res, ss))
+            act = decode_gemm(res, w_gu, scratch, norm=(ss, norm_w, 1e-6), silu_mul=True)
+            decode_gemm(act, w_d, scratch, residual=(res, ss))
+    base, ours = graph_ms(unfused, calls=1), graph_ms(fused_layers, calls=1)
+    print(f"{shapes:12s} M{m:<3d} chain of {LAYERS} layers (attention stand-in, {context} tokens a row): unfused "
+          f"{base:.3f} ms, fused {ours:.3f} ms ({base / ours:.2f}x)", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="qwen3-0.6b")
     p.add_argument("--rows", default="1,16,32,64")
     p.add_argument("--quick", action="store_true", help="a smaller launch grid")
+    p.add_argument("--chain", type=int, default=None, metavar="CONTEXT",
+                   help="time whole layers in order instead (default launches), with an attention stand-in over "
+                        "CONTEXT tokens a row")
     args = p.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
+    if args.chain is not None:
+        for shapes in args.shapes.split(","):
+            for m in [int(r) for r in args.rows.split(",")]:
+                chain(shapes, m, args.chain)
+        return
     grid = ([16, 32, 64, 128], [1, 2, 4, 8], [4, 8], [3, 4], [False, True])  # block_n, split, warps, stages, prefetch
     if args.quick:
         grid = ([32, 64, 128], [1, 2, 4, 8], [4], [4], [True])
