@@ -6,7 +6,7 @@ and the weights' fingerprint is unchanged. Exit status 1 when an output
 differs, the engine holds more than ``--max-asleep-gib`` after ``sleep(2)``, or a level-1 ``wake_up()`` takes
 longer than ``--max-wake-s`` (the bounds of issue 19 for an 8B model).
 
-    python gpu_checks/check_sleep.py --preset llama-3.1-8b [--mem-fraction-static 0.5]
+    python gpu_checks/check_sleep.py --preset llama-3.1-8b [--mem-fraction-static 0.5] [--enable-piecewise-cuda-graph]
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ def main() -> int:
     p.add_argument("--sequential", type=int, default=16, help="prompts generated one at a time, before and after")
     p.add_argument("--max-asleep-gib", type=float, default=1.5)
     p.add_argument("--max-wake-s", type=float, default=1.0)
+    p.add_argument("--enable-piecewise-cuda-graph", action="store_true",
+                   help="the engine also replays piecewise CUDA graphs for extend steps (their memory stays asleep)")
+    p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,
+                   help="the largest extend step they capture (default: the engine's)")
     args = p.parse_args()
     from benchmarks.presets import write_preset
     from rollout import Engine, SamplingParams
@@ -57,7 +61,9 @@ def main() -> int:
     baseline = device_used_mib()
     failures = []
     with Engine(path, dtype="bfloat16", device="cuda", enable_memory_saver=True, skip_tokenizer_init=True,
-                mem_fraction_static=args.mem_fraction_static) as engine:
+                mem_fraction_static=args.mem_fraction_static,
+                enable_piecewise_cuda_graph=args.enable_piecewise_cuda_graph,
+                piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens) as engine:
         pids = [proc.pid for proc in engine._procs.procs]
 
         def run(batch: list[list[int]]) -> list[list[int]]:
@@ -93,6 +99,8 @@ def main() -> int:
             elif asleep > args.max_asleep_gib:
                 failures.append(f"asleep at level 2 the engine held {asleep:.2f} GiB > {args.max_asleep_gib} GiB")
             print(line, flush=True)
+        if args.enable_piecewise_cuda_graph:
+            print(f"extend steps replayed from piecewise CUDA graphs: {engine.get_step_stats()['extend_graph_replays']}")
     print("OK" if not failures else "FAILED: " + "; ".join(failures))
     return 1 if failures else 0
 

@@ -232,7 +232,9 @@ class EngineConfig:
     prefill step's host time ~3x, so the prefill no longer waits for a busy host (a colocated trainer's
     processes); off by default, since on an idle host the output tok/s did not move on an H100 and their
     graphs hold device memory the KV cache could use (at 16,384 tokens 1.0 GiB for Qwen3-0.6B, 4.1 GiB for
-    Llama-3.1-8B; docs/rl_rollouts.md).
+    Llama-3.1-8B; docs/rl_rollouts.md), of which sleep cannot release the graphs' pool (1.8 GiB for the 8B at
+    16,384 tokens, 0.5 GiB at 4,096: a colocated engine wants a smaller ``piecewise_cuda_graph_max_tokens``;
+    docs/colocation.md).
     """
 
     model_path: str

@@ -241,8 +241,13 @@ class ModelRunner:
             return None
         from rollout.model_executor.piecewise_graph_runner import PiecewiseCudaGraphRunner, piecewise_token_sizes
 
-        return PiecewiseCudaGraphRunner(self, piecewise_token_sizes(cfg.piecewise_cuda_graph_max_tokens
-                                                                    or cfg.max_prefill_tokens), self.capture_stream)
+        pieces = PiecewiseCudaGraphRunner(self, piecewise_token_sizes(cfg.piecewise_cuda_graph_max_tokens
+                                                                      or cfg.max_prefill_tokens), self.capture_stream)
+        if cfg.enable_memory_saver:
+            logger.warning("the piecewise CUDA graphs' %.2f GiB stay allocated while the engine sleeps (graph memory "
+                           "is not released); a smaller piecewise_cuda_graph_max_tokens holds less",
+                           pieces.graph_bytes / 2**30)
+        return pieces
 
     @property
     def shared_prefix_members(self) -> int:

@@ -81,10 +81,12 @@ class PiecewiseCudaGraphRunner:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.replays = 0  # extend steps replayed (Engine.get_step_stats)
         self.pool = None
-        start = time.perf_counter()
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(dev)
         self.capture()
-        logger.info("captured piecewise CUDA graphs for extend steps of %s tokens in %.1f s", self.sizes,
-                    time.perf_counter() - start)
+        torch.cuda.empty_cache()  # the warm-ups' blocks: what stays reserved is the graphs' pool
+        self.graph_bytes = torch.cuda.memory_reserved(dev) - reserved  # which sleep cannot release
+        logger.info("captured piecewise CUDA graphs for extend steps of %s tokens in %.1f s, %.2f GiB",
+                    self.sizes, time.perf_counter() - start, self.graph_bytes / 2**30)
 
     def can_run(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.max_tokens
