@@ -100,7 +100,8 @@ def main() -> int:
                 failures.append(f"asleep at level 2 the engine held {asleep:.2f} GiB > {args.max_asleep_gib} GiB")
             print(line, flush=True)
         if args.enable_piecewise_cuda_graph:
-            print(f"extend steps replayed from piecewise CUDA graphs: {engine.get_step_stats()['extend_graph_replays']}")
+            replays = engine.get_step_stats()["extend_graph_replays"]
+            print(f"extend steps replayed from piecewise CUDA graphs: {replays}")
     print("OK" if not failures else "FAILED: " + "; ".join(failures))
     return 1 if failures else 0
 

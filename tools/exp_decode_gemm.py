@@ -261,7 +261,8 @@ def decode_gemm(x: torch.Tensor, weight: torch.Tensor, scratch: DecodeGemmScratc
         norm[2] if norm is not None else 0.0, res, ss_out.parts if ss_out is not None else dummy,
         scratch.partials, scratch.counters, m, n, k, x.stride(0), weight.stride(0), y.stride(0), res.stride(0),
         n * weight.stride(0), ss_in.shape[1] if norm is not None else 1,
-        PARTS_IN_P2=triton.next_power_of_2(ss_in.shape[1]) if norm is not None else 1, PARTS_OUT=tiles, BN=bn, BT=_token_tile(m),
+        PARTS_IN_P2=triton.next_power_of_2(ss_in.shape[1]) if norm is not None else 1, PARTS_OUT=tiles, BN=bn,
+        BT=_token_tile(m),
         BK=BLOCK_K, SPLIT=split, STAGES=config.stages, NORM=norm is not None, SILU_MUL=silu_mul,
         RESIDUAL=residual is not None, HAS_BIAS=bias is not None, UPCAST=x.device.type != "cuda",
         PREFETCH=config.prefetch, num_warps=config.warps, **pdl_launch(x.device))
