@@ -19,8 +19,7 @@ an H100 (the decode graph's kernels stopped overlapping through programmatic dep
 docs/rl_rollouts.md). Supported: the fused CUDA path of a dense model (no mixture of experts, no fp8 weights),
 one TP rank, a KV pool in the model dtype (a float8 pool wants the new tokens' K/V in the attention call:
 ``wants_fresh_kv``). The model runner falls back to the eager forward otherwise, and for steps of more than
-``max(sizes)`` tokens. Weights are never rebound
-(updates copy in place), so graphs stay valid across updates.
+``max(sizes)`` tokens. Weights are never rebound (updates copy in place), so graphs stay valid across updates.
 """
 
 from __future__ import annotations

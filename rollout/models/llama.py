@@ -22,6 +22,9 @@ from rollout.models.moe import SparseMoeBlock
 
 
 class LlamaAttention(nn.Module):
+    """The attention block's weights and parts; ``LlamaDecoderLayer`` runs them in turn (``project``, ``attn``,
+    ``o_proj``), with a cut at the attention for the piecewise CUDA graphs, so the block has no ``forward``."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup,
                  dtype: torch.dtype, device: Any, fused: bool = False, quant: str | None = None) -> None:
         super().__init__()
@@ -36,9 +39,6 @@ class LlamaAttention(nn.Module):
         self.fused = fused
         self.attn = Attention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim,
                               cfg.head_dim ** -0.5)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor | Fp8Activation, batch: ForwardBatch) -> torch.Tensor:
-        return self.o_proj(self.attn(*self.project(positions, x, batch), batch))
 
     def project(self, positions: torch.Tensor, x: torch.Tensor | Fp8Activation, batch: ForwardBatch,
                 q_out: torch.Tensor | None = None
