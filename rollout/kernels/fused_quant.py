@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.kernels.add_rmsnorm import rms_norm_row, row_launch_shape
 from rollout.kernels.pdl import pdl_launch, pdl_prologue
 from rollout.kernels.quant import quantize_row
 from rollout.layers.quantization import (_MIN_SCALE, FP8_DTYPE, FP8_MAX, FUSED_QUANT_MAX_COLS, INV_FP8_MAX,
@@ -39,11 +40,7 @@ def _add_rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, K, x_stri
         r = tl.load(res_row + cols, mask=mask, other=0.0)
         h = (h.to(tl.float32) + r.to(tl.float32)).to(dt)
         tl.store(res_row + cols, h, mask=mask)
-    hf = h.to(tl.float32)
-    inv_rms = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(hf * hf, axis=0), K.to(tl.float32)) + eps))
-    normed = (hf * inv_rms).to(dt).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (w * normed).to(dt).to(tl.float32)
+    y = rms_norm_row(h, w_ptr, cols, mask, K, eps).to(tl.float32)
     quantize_row(y, q_ptr + row.to(tl.int64) * q_stride, scale_ptr, row, cols, mask, fp8_max, inv_fp8_max,
                   min_scale)
 
@@ -69,8 +66,7 @@ def _launch_shape(cols: int) -> tuple[int, int]:
     """(BLOCK, num_warps) for rows of ``cols`` elements held in registers."""
     if not fused_quant_supports(cols):
         raise ValueError(f"rows of {cols} elements exceed the fused kernels' {FUSED_QUANT_MAX_COLS}")
-    block = triton.next_power_of_2(cols)
-    return block, max(4, min(16, block // 1024))
+    return row_launch_shape(cols)
 
 
 def _new_activation(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Fp8Activation:

@@ -24,6 +24,7 @@ from torch import nn
 
 from rollout.config import QUANTIZATION_METHODS
 from rollout.distributed import TPGroup
+from rollout.layers.split_k import SPLIT_K_MAX_ROWS, SplitKPartials, split_k_matmul, split_k_supported
 
 
 @dataclass(frozen=True)
@@ -203,21 +204,29 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(_QuantizableLinear):
-    """y = all_reduce(x_shard W_shard^T) + b with W's input columns split across ranks."""
+    """y = all_reduce(x_shard W_shard^T) + b with W's input columns split across ranks.
+
+    ``split_k=True`` (its output goes only to a fused add + RMSNorm): on one rank, unquantized, bias-free and
+    where ``split_k_supported``, a batch of at most ``SPLIT_K_MAX_ROWS`` rows returns ``SplitKPartials``
+    instead of a tensor (``rollout.layers.split_k``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
-                 dtype: torch.dtype, device: Any = None, quant: str | None = None) -> None:
+                 dtype: torch.dtype, device: Any = None, quant: str | None = None, split_k: bool = False) -> None:
         super().__init__()
         self.tp = tp
         self.in_local = _split(in_features, tp, "input size")
         self._make_weight((out_features, self.in_local), dtype, device, quant, self._col_view)
         self.bias = attach(_new_param((out_features,), dtype, device), replicated_view) if bias else None
+        self.split_k = (split_k and tp.size == 1 and quant is None and not bias
+                        and split_k_supported(self.in_local, out_features))
 
     def _col_view(self, param: nn.Parameter, shard_id: Any = None) -> tuple[torch.Tensor, ShardSpec]:
         return param.data, ShardSpec(1, self.tp.rank * self.in_local, self.in_local)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         if self.tp.size == 1:
+            if self.split_k and 0 < x.shape[0] <= SPLIT_K_MAX_ROWS and x.is_contiguous():
+                return split_k_matmul(x, self.weight)
             return self.matmul(x, self.bias)
         y = self.tp.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias

@@ -2,7 +2,8 @@
 
 ``forward(x)`` returns the normalized x; ``forward(x, residual)`` returns ``(norm(residual + x),
 residual + x)``. The torch path matches transformers bit for bit (float32 statistics, weight applied in
-the model dtype); ``fused=True`` uses FlashInfer's CUDA kernels (one kernel for add + norm, in place).
+the model dtype); ``fused=True`` uses FlashInfer's CUDA kernels (one kernel for add + norm, in place), and takes
+a split-K projection's ``SplitKPartials`` as x (one Triton kernel sums them, adds and normalizes).
 ``quantize_out=True`` (fused, before an fp8 projection) returns the normalized x as an ``Fp8Activation``
 from one Triton kernel that also quantizes it (``rollout.kernels.fused_quant``).
 """
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from rollout.layers.linear import attach, replicated_view
+from rollout.layers.split_k import SplitKPartials
 
 
 class RMSNorm(nn.Module):
@@ -43,7 +45,13 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
-    def _fused(self, x: torch.Tensor, residual: torch.Tensor | None):
+    def _fused(self, x: torch.Tensor | SplitKPartials, residual: torch.Tensor | None):
+        if isinstance(x, SplitKPartials):  # a split-K projection's output: summed by the add + norm kernel
+            from rollout.kernels.add_rmsnorm import add_rmsnorm_split_k
+
+            if residual is None:
+                raise ValueError("split-K partials need the residual they are added to")
+            return add_rmsnorm_split_k(x.partials, residual, self.weight, self.eps), residual
         if self.quantize_out:
             from rollout.kernels.fused_quant import add_rmsnorm_quant_fp8
 

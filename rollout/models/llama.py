@@ -17,6 +17,7 @@ from rollout.layers.linear import MergedColumnParallelLinear, QKVParallelLinear,
 from rollout.layers.norm import RMSNorm
 from rollout.layers.quantization import Fp8Activation, fused_quant_supports
 from rollout.layers.rotary import RotaryEmbedding, rope_inv_freq
+from rollout.layers.split_k import SplitKPartials
 from rollout.model_executor.forward_batch import ForwardBatch
 from rollout.models.moe import SparseMoeBlock
 
@@ -31,7 +32,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           cfg.qkv_bias, tp, dtype, device, quant)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, dtype, device,
-                                        quant)
+                                        quant, split_k=fused)  # split: its output goes to the fused add + norm
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, fused) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, fused) if cfg.qk_norm else None
         self.rotary = rotary
@@ -78,11 +79,12 @@ class LlamaMLP(nn.Module):
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], False, tp, dtype, device,
                                                        quant)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp, dtype, device, quant)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp, dtype, device, quant, split_k=fused)
         self.fused = fused
         self.quantize_act = fused and quant == "fp8" and fused_quant_supports(self.down_proj.in_local)
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor | SplitKPartials:
+        """The MLP's output; on the fused path a small batch's may be ``SplitKPartials`` (for the next norm)."""
         gate_up = self.gate_up_proj(x)
         if self.quantize_act:  # one kernel: SiLU·mul and the per-token fp8 quantization of down_proj's input
             from rollout.kernels.fused_quant import silu_mul_quant_fp8
