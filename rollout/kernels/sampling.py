@@ -49,7 +49,7 @@ _RACE_BOUND = tl.constexpr(17.0)
 # ulp): an absolute part and one relative to |logits / T|, both far above the few ulps they cover
 _BOUND_SLACK = tl.constexpr(1e-3)
 _BOUND_SLACK_REL = tl.constexpr(1e-5)
-_BLOCK = 2048
+_BLOCK = 1024          # tile (4 warps): the fastest or near it at 16-256 rows (tools/bench_sampler.py --sweep)
 _PROGRAMS_PER_SM = 4    # chunk rule on CUDA: B x S programs >= this many per SM
 _INTERPRETER_CHUNKS = 4  # chunks per row off CUDA, so the CPU tests run the multi-chunk paths
 _MAX_INT32 = tl.constexpr(2**31 - 1)
@@ -321,7 +321,7 @@ def _chunk_layout(batch: int, num_blocks: int, device: torch.device, num_chunks:
 
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                  is_greedy: torch.Tensor, use_processed: torch.Tensor, *, count_ranks: bool = True,
-                 block_size: int | None = None, num_chunks: int | None = None
+                 block_size: int | None = None, num_chunks: int | None = None, num_warps: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (next_token_ids int64 [B], logprobs float32 [B], ranks int64 [B])
 
@@ -337,7 +337,8 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.
     ``use_processed``; rank = 1 + number of entries strictly above the token's (1 without ``count_ranks``,
     which saves the second read of the logits above the token). ``block_size`` (a power of
     two) overrides the tile each program loops over, and ``num_chunks`` the number of programs each row is
-    split over (see ``_chunk_layout``), for tests and tuning; tokens and ranks do not depend on either.
+    split over (see ``_chunk_layout``), and ``num_warps`` the warps of each program, for tests and tuning;
+    tokens and ranks do not depend on any of them.
     """
     B, V = logits.shape
     device = logits.device
@@ -358,7 +359,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.
     rows = (logits, logits.stride(0), temperatures.contiguous())
     flags = (is_greedy.contiguous(), use_processed.contiguous())
     layout = dict(width=width, n_chunks=chunks, blocks_per_chunk=per_chunk, V=V, BLOCK=block,
-                  NB=triton.next_power_of_2(num_blocks), num_warps=8 if block >= 2048 else 4)
+                  NB=triton.next_power_of_2(num_blocks), num_warps=num_warps or (8 if block >= 2048 else 4))
     _scan_kernel[(B, chunks)](*rows, seeds.contiguous(), positions.contiguous(), *flags, scratch,
                               scratch.view(torch.int32), ranks, **layout)
     _finish_kernel[(B, chunks if count_ranks else 1)](*rows, *flags, scratch, scratch.view(torch.int32), ids, logprobs,
