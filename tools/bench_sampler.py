@@ -35,7 +35,8 @@ from rollout.sampling_params import SamplingParams  # noqa: E402
 
 
 def _rows(batch: int, greedy: bool) -> list[SamplingRow]:
-    return [SamplingRow(params=SamplingParams(temperature=0.0 if greedy else 0.6), seed=i, output_len=7 + i,
+    # logprobs=0: the rows ask for their token's logprob, so the torch Sampler counts ranks as fused_sample does
+    return [SamplingRow(params=SamplingParams(temperature=0.0 if greedy else 0.6, logprobs=0), seed=i, output_len=7 + i,
                         prompt_token_ids=[], output_token_ids=[], eos_token_ids=[]) for i in range(batch)]
 
 
