@@ -13,7 +13,8 @@ A. Per projection of Qwen3-0.6B (and, with ``--model 8b``, Llama-3.1-8B), a CUDA
 B. The Qwen3-0.6B-shaped decode forward of ``tools/exp_tbo.Step`` (28 layers, the engine's Triton decode
    attention over ``--context`` tokens per request) with O and down split into S float32 partials and a Triton
    sum + residual add + RMSNorm in place of FlashInfer's fused add + RMSNorm, ms per forward against the
-   unsplit forward.
+   unsplit forward. The split product and the add + norm are the engine's (``rollout/layers/split_k.py``,
+   ``rollout/kernels/add_rmsnorm.py``).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rollout.kernels.add_rmsnorm import add_rmsnorm_split_k  # noqa: E402
 from rollout.kernels.decode_attention import decode_attention  # noqa: E402
+from rollout.layers.split_k import split_k_matmul  # noqa: E402
 from tools.exp_tbo import HIDDEN, HK, HQ, INTER, LAYERS, D, Step  # noqa: E402
 from tools.timing import graph_ms  # noqa: E402
 
@@ -38,45 +39,14 @@ SHAPES = {"0.6b": {"qkv": ((HQ + 2 * HK) * D, HIDDEN), "o": (HIDDEN, HQ * D), "g
           "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}}
 
 
-def split_views(x: torch.Tensor, w: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [M, K] and ``w`` [N, K] as S K-slices for ``torch.bmm``: [S, M, K / S] and [S, K / S, N] views."""
-    m, k = x.shape
-    n = w.shape[0]
-    return x.view(m, s, k // s).transpose(0, 1), w.view(n, s, k // s).permute(1, 2, 0)
+def split_mm(x: torch.Tensor, w: torch.Tensor, s: int) -> torch.Tensor:
+    """S float32 partial products of ``x @ w.T`` [S, M, N]: the engine's ``split_k_matmul``."""
+    return split_k_matmul(x, w, s).partials
 
 
-def split_mm(x: torch.Tensor, w: torch.Tensor, s: int, out: torch.Tensor) -> torch.Tensor:
-    """S float32 partial products of ``x @ w.T`` into ``out`` [S, M, N]."""
-    xs, ws = split_views(x, w, s)
-    return torch.bmm(xs, ws, out_dtype=torch.float32, out=out)
-
-
-@triton.jit
-def _sum_add_rmsnorm_kernel(part_ptr, res_ptr, w_ptr, out_ptr, rows, eps, N: tl.constexpr, S: tl.constexpr,
-                            BLOCK: tl.constexpr):
-    """Row r: o = bf16(sum of the S partials); res = bf16(res + o) (in place); out = bf16(bf16(norm(res)) * w)."""
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(S):
-        acc += tl.load(part_ptr + (s * rows + row) * N + offs, mask=mask, other=0.0)
-    o = acc.to(tl.bfloat16).to(tl.float32)
-    h = (tl.load(res_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32) + o).to(tl.bfloat16)
-    tl.store(res_ptr + row * N + offs, h, mask=mask)
-    hf = h.to(tl.float32)
-    y = (hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)).to(tl.bfloat16)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * N + offs, (y.to(tl.float32) * w.to(tl.float32)).to(tl.bfloat16), mask=mask)
-
-
-def sum_add_rmsnorm(part: torch.Tensor, res: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
-                    eps: float = 1e-6) -> torch.Tensor:
-    """``part`` [S, M, N] float32 -> ``out`` [M, N]: the residual add + RMSNorm of the partials' sum."""
-    s, m, n = part.shape
-    _sum_add_rmsnorm_kernel[(m,)](part, res, weight, out, m, eps, N=n, S=s, BLOCK=triton.next_power_of_2(n),
-                                  num_warps=4)
-    return out
+def sum_add_rmsnorm(part: torch.Tensor, res: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The engine's add + RMSNorm of the partials' sum (``add_rmsnorm_split_k``)."""
+    return add_rmsnorm_split_k(part, res, weight, 1e-6)
 
 
 def per_gemm(model: str, rows: list[int], splits: list[int]) -> None:
@@ -91,8 +61,7 @@ def per_gemm(model: str, rows: list[int], splits: list[int]) -> None:
             cols.append("mm->f32 %5.2f" % (graph_ms(lambda: [torch.mm(x, w.t(), out_dtype=torch.float32, out=y32)
                                                              for w in ws], calls=1) * 1e3 / LAYERS))
             for s in splits:
-                part = torch.empty(s, m, n, device=dev, dtype=torch.float32)
-                t = graph_ms(lambda: [split_mm(x, w, s, part) for w in ws], calls=1) * 1e3 / LAYERS
+                t = graph_ms(lambda: [split_mm(x, w, s) for w in ws], calls=1) * 1e3 / LAYERS
                 cols.append(f"S{s} {t:5.2f}")
             print(f"A {model} {name:8s} N{n:<6d} K{k:<6d} M{m:<4d} us/GEMM: " + "  ".join(cols), flush=True)
 
@@ -102,25 +71,23 @@ class SplitStep(Step):
 
     def __init__(self, s: int, *args) -> None:
         super().__init__(*args)
-        batch, dev = self.x.shape[0], self.x.device
         self.s = s
-        self.part = torch.empty(s, batch, HIDDEN, device=dev, dtype=torch.float32)
-        self.normed = torch.empty(batch, HIDDEN, device=dev, dtype=self.x.dtype)
 
     def __call__(self) -> None:
         import flashinfer
 
         part = None
         for w_qkv, w_o, w_gu, w_down, n1, n2 in self.w:
-            x = self.x if part is None else sum_add_rmsnorm(part, self.res, n1, self.normed)
             if part is None:
-                flashinfer.norm.fused_add_rmsnorm(x, self.res, n1, 1e-6)
+                flashinfer.norm.fused_add_rmsnorm(self.x, self.res, n1, 1e-6)
+                x = self.x
+            else:
+                x = sum_add_rmsnorm(part, self.res, n1)
             q = F.linear(x, w_qkv)[:, :HQ * D].view(-1, HQ, D)
             decode_attention(q, self.kv[0], self.kv[1], self.indptr, self.indices, D ** -0.5, self.splits,
                              out=self.out, counters=self.counters)
-            split_mm(self.out.view(-1, HQ * D), w_o, self.s, self.part)
-            h = sum_add_rmsnorm(self.part, self.res, n2, self.normed)
-            part = split_mm(flashinfer.activation.silu_and_mul(F.linear(h, w_gu)), w_down, self.s, self.part)
+            h = sum_add_rmsnorm(split_mm(self.out.view(-1, HQ * D), w_o, self.s), self.res, n2)
+            part = split_mm(flashinfer.activation.silu_and_mul(F.linear(h, w_gu)), w_down, self.s)
 
 
 def whole_step(rows: list[int], splits: list[int], context: int) -> None:
@@ -151,19 +118,19 @@ def whole_step(rows: list[int], splits: list[int], context: int) -> None:
 
 
 def check(splits: list[int]) -> None:
-    """The split product and the fused sum + add + norm against torch (float32 reference)."""
+    """The split product and the fused sum + add + norm against torch (float32 product, HF's norm)."""
     dev, dt = torch.device("cuda"), torch.bfloat16
     x = torch.randn(64, 3072, device=dev, dtype=dt)
     w = torch.randn(1024, 3072, device=dev, dtype=dt) * 0.02
     ref = x.float() @ w.float().t()
     for s in splits:
-        part = split_mm(x, w, s, torch.empty(s, 64, 1024, device=dev, dtype=torch.float32))
+        part = split_mm(x, w, s)
         res = torch.randn(64, 1024, device=dev, dtype=dt)
         nw = torch.rand(1024, device=dev, dtype=dt)
         h = (res.float() + ref.to(dt).float()).to(dt)
         want = ((h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dt).float()
                 * nw.float()).to(dt)
-        got = sum_add_rmsnorm(part, res, nw, torch.empty_like(res))
+        got = sum_add_rmsnorm(part, res, nw)
         print(f"check S{s}: partial sum vs float32 max abs {(part.sum(0) - ref).abs().max().item():.2e}; "
               f"norm out vs torch max abs {(got.float() - want.float()).abs().max().item():.2e}; "
               f"residual max abs {(res.float() - h.float()).abs().max().item():.2e}", flush=True)
