@@ -33,7 +33,7 @@ def assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor, dtype: torch.dt
     """Bit-equal but for rare values on a rounding boundary (float32 sums in another order), which may land
     one ``dtype`` ulp away. In a float32 model nothing rounds the norm's statistic away, so a sum of squares
     one ulp off moves its whole row: there every value must be within 4 ulp."""
-    got, want = got.cpu().float(), want.float()
+    got, want = got.cpu().float(), want.cpu().float()
     ulps = 1.01
     if dtype == torch.float32:
         ulps = 4.0
