@@ -1,6 +1,7 @@
 """Residual add + RMSNorm in Triton, with Hugging Face's rounding, for rows held in registers.
 
-``rms_norm_row`` is the norm of one row (shared with ``rollout.kernels.fused_quant``); ``add_rmsnorm_split_k``
+``add_residual_row`` and ``rms_norm_row`` are the add and the norm of one row (shared with
+``rollout.kernels.fused_quant``); ``add_rmsnorm_split_k``
 is the add + norm after a split-K projection (``rollout.layers.split_k``): it first sums the projection's
 float32 partials. The arithmetic is the torch path's (``RMSNorm._norm`` after ``residual + x``), rounding to the
 model dtype wherever it does:
@@ -32,6 +33,16 @@ def rms_norm_row(h, w_ptr, cols, mask, K, eps):
     return (w * normed).to(dt)
 
 
+@triton.jit
+def add_residual_row(x, res_row, cols, mask):
+    """``h = dtype(residual + x)`` for one row (x in any float dtype, residual at ``res_row`` in the model dtype),
+    written back to the residual and returned in the model dtype (as torch adds two tensors of that dtype)."""
+    r = tl.load(res_row + cols, mask=mask, other=0.0)
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(res_row.dtype.element_ty)
+    tl.store(res_row + cols, h, mask=mask)
+    return h
+
+
 def row_launch_shape(cols: int) -> tuple[int, int]:
     """(BLOCK, num_warps) of a kernel that holds rows of ``cols`` elements in registers, one program a row."""
     block = triton.next_power_of_2(cols)
@@ -45,14 +56,11 @@ def _split_k_add_rmsnorm_kernel(part_ptr, res_ptr, w_ptr, out_ptr, rows, K, res_
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
-    dt = res_ptr.dtype.element_ty
     acc = tl.load(part_ptr + row.to(tl.int64) * K + cols, mask=mask, other=0.0)
     for s in tl.static_range(1, S):
         acc += tl.load(part_ptr + (s * rows + row).to(tl.int64) * K + cols, mask=mask, other=0.0)
-    res_row = res_ptr + row.to(tl.int64) * res_stride
-    r = tl.load(res_row + cols, mask=mask, other=0.0)
-    h = (acc.to(dt).to(tl.float32) + r.to(tl.float32)).to(dt)
-    tl.store(res_row + cols, h, mask=mask)
+    o = acc.to(res_ptr.dtype.element_ty)  # the projection's output, rounded once
+    h = add_residual_row(o, res_ptr + row.to(tl.int64) * res_stride, cols, mask)
     tl.store(out_ptr + row.to(tl.int64) * out_stride + cols, rms_norm_row(h, w_ptr, cols, mask, K, eps), mask=mask)
 
 

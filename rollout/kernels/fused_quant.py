@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.kernels.add_rmsnorm import rms_norm_row, row_launch_shape
+from rollout.kernels.add_rmsnorm import add_residual_row, rms_norm_row, row_launch_shape
 from rollout.kernels.pdl import pdl_launch, pdl_prologue
 from rollout.kernels.quant import quantize_row
 from rollout.layers.quantization import (_MIN_SCALE, FP8_DTYPE, FP8_MAX, FUSED_QUANT_MAX_COLS, INV_FP8_MAX,
@@ -33,13 +33,9 @@ def _add_rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, K, x_stri
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
-    dt = x_ptr.dtype.element_ty
     h = tl.load(x_ptr + row.to(tl.int64) * x_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        res_row = res_ptr + row.to(tl.int64) * res_stride
-        r = tl.load(res_row + cols, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + r.to(tl.float32)).to(dt)
-        tl.store(res_row + cols, h, mask=mask)
+        h = add_residual_row(h, res_ptr + row.to(tl.int64) * res_stride, cols, mask)
     y = rms_norm_row(h, w_ptr, cols, mask, K, eps).to(tl.float32)
     quantize_row(y, q_ptr + row.to(tl.int64) * q_stride, scale_ptr, row, cols, mask, fp8_max, inv_fp8_max,
                   min_scale)
