@@ -27,7 +27,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout.kernels.decode_attention import decode_attention  # noqa: E402
-from tools.exp_tbo import HIDDEN, HK, HQ, INTER, LAYERS, D, Step  # noqa: E402
+from tools.exp_tbo import HIDDEN, HK, HQ, INTER, LAYERS, D, Step, step_kv  # noqa: E402
 from tools.timing import graph_ms  # noqa: E402
 
 SHAPES = {"qkv": ((HQ + 2 * HK) * D, HIDDEN), "o": (HIDDEN, HQ * D), "gate_up": (2 * INTER, HIDDEN),
@@ -127,10 +127,7 @@ def forward_with_prefetch(batches: list[int], context: int) -> None:
     torch.manual_seed(0)
     flat, weights, bounds = layer_weights(dev, dt)
     for batch in batches:
-        slots = batch * context
-        kv = (torch.randn(slots + 1, HK, D, device=dev, dtype=dt), torch.randn(slots + 1, HK, D, device=dev, dtype=dt))
-        indptr = torch.arange(0, slots + 1, context, device=dev, dtype=torch.int32)
-        indices = (torch.arange(slots, device=dev) + 1).to(torch.int32)
+        kv, indptr, indices = step_kv(batch, context, dev, dt)
         for mode in (0, 1, 2, 0):
             step = PrefetchStep(flat, bounds, mode, weights, kv, indptr, indices, 0, batch, sms)
             ms = graph_ms(step, calls=1, repeats=11)

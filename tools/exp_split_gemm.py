@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rollout.kernels.add_rmsnorm import add_rmsnorm_split_k  # noqa: E402
 from rollout.kernels.decode_attention import decode_attention  # noqa: E402
 from rollout.layers.split_k import split_k_matmul  # noqa: E402
-from tools.exp_tbo import HIDDEN, HK, HQ, INTER, LAYERS, D, Step  # noqa: E402
+from tools.exp_tbo import HIDDEN, HK, HQ, INTER, LAYERS, D, Step, step_kv, step_weights  # noqa: E402
 from tools.timing import graph_ms  # noqa: E402
 
 SHAPES = {"0.6b": {"qkv": ((HQ + 2 * HK) * D, HIDDEN), "o": (HIDDEN, HQ * D), "gate_up": (2 * INTER, HIDDEN),
@@ -94,18 +94,9 @@ def whole_step(rows: list[int], splits: list[int], context: int) -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     torch.manual_seed(0)
-    sc = 0.02
-    weights = [(torch.randn((HQ + 2 * HK) * D, HIDDEN, device=dev, dtype=dt) * sc,
-                torch.randn(HIDDEN, HQ * D, device=dev, dtype=dt) * sc,
-                torch.randn(2 * INTER, HIDDEN, device=dev, dtype=dt) * sc,
-                torch.randn(HIDDEN, INTER, device=dev, dtype=dt) * sc,
-                torch.ones(HIDDEN, device=dev, dtype=dt), torch.ones(HIDDEN, device=dev, dtype=dt))
-               for _ in range(LAYERS)]
+    weights = step_weights(dev, dt)
     for batch in rows:
-        slots = batch * context
-        kv = (torch.randn(slots + 1, HK, D, device=dev, dtype=dt), torch.randn(slots + 1, HK, D, device=dev, dtype=dt))
-        indptr = torch.arange(0, slots + 1, context, device=dev, dtype=torch.int32)
-        indices = (torch.arange(slots, device=dev) + 1).to(torch.int32)
+        kv, indptr, indices = step_kv(batch, context, dev, dt)
         base = Step(weights, kv, indptr, indices, 0, batch, sms)
         cols = [f"base {graph_ms(base, calls=1, repeats=15):.3f}"]
         for s in splits:

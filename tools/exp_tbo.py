@@ -58,6 +58,25 @@ class Step:
             x = F.linear(flashinfer.activation.silu_and_mul(F.linear(o, w_gu)), w_down)
 
 
+def step_weights(dev: torch.device, dt: torch.dtype, scale: float = 0.02) -> list[tuple[torch.Tensor, ...]]:
+    """``Step``'s weights: per layer (qkv, o, gate_up, down, input norm, post-attention norm), N(0, scale) and ones."""
+    return [(torch.randn((HQ + 2 * HK) * D, HIDDEN, device=dev, dtype=dt) * scale,
+             torch.randn(HIDDEN, HQ * D, device=dev, dtype=dt) * scale,
+             torch.randn(2 * INTER, HIDDEN, device=dev, dtype=dt) * scale,
+             torch.randn(HIDDEN, INTER, device=dev, dtype=dt) * scale,
+             torch.ones(HIDDEN, device=dev, dtype=dt), torch.ones(HIDDEN, device=dev, dtype=dt))
+            for _ in range(LAYERS)]
+
+
+def step_kv(batch: int, context: int, dev: torch.device, dt: torch.dtype):
+    """``Step``'s paged KV: (K and V pools of batch x context slots plus slot 0, indptr, indices), request r
+    holding slots [1 + r * context, 1 + (r + 1) * context)."""
+    slots = batch * context
+    kv = (torch.randn(slots + 1, HK, D, device=dev, dtype=dt), torch.randn(slots + 1, HK, D, device=dev, dtype=dt))
+    indptr = torch.arange(0, slots + 1, context, device=dev, dtype=torch.int32)
+    return kv, indptr, (torch.arange(slots, device=dev) + 1).to(torch.int32)
+
+
 def timed(entries: list[tuple[torch.cuda.CUDAGraph, torch.cuda.Stream, int]], repeats: int = 7) -> float:
     """Median ms of ``replay_on_streams(entries)``: each graph replayed on its stream, in order per stream,
     the streams at once."""
@@ -81,18 +100,9 @@ def main() -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     torch.manual_seed(0)
-    s = 0.02
-    weights = [(torch.randn((HQ + 2 * HK) * D, HIDDEN, device=dev, dtype=dt) * s,
-                torch.randn(HIDDEN, HQ * D, device=dev, dtype=dt) * s,
-                torch.randn(2 * INTER, HIDDEN, device=dev, dtype=dt) * s,
-                torch.randn(HIDDEN, INTER, device=dev, dtype=dt) * s,
-                torch.ones(HIDDEN, device=dev, dtype=dt), torch.ones(HIDDEN, device=dev, dtype=dt))
-               for _ in range(LAYERS)]
+    weights = step_weights(dev, dt)
     for batch in (int(b) for b in args.batch.split(",")):
-        slots = batch * args.context
-        kv = (torch.randn(slots + 1, HK, D, device=dev, dtype=dt), torch.randn(slots + 1, HK, D, device=dev, dtype=dt))
-        indptr = torch.arange(0, slots + 1, args.context, device=dev, dtype=torch.int32)
-        indices = (torch.arange(slots, device=dev) + 1).to(torch.int32)
+        kv, indptr, indices = step_kv(batch, args.context, dev, dt)
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
         steps = [Step(weights, kv, indptr, indices, first, n, sms)  # alive while their graphs replay
                  for first, n in ((0, batch), (0, batch // 2), (batch // 2, batch // 2))]
@@ -100,7 +110,7 @@ def main() -> None:
         t_whole = timed([(whole, s1, 1)])
         t_seq = timed([(half_a, s1, 1), (half_b, s1, 1)])
         t_tbo = timed([(half_a, s1, 1), (half_b, s2, 1)])
-        kv_gb = LAYERS * 2 * slots * HK * D * 2 / 1e9
+        kv_gb = LAYERS * 2 * batch * args.context * HK * D * 2 / 1e9
         print(f"{torch.cuda.get_device_name(dev)}; batch {batch} x {args.context} tokens ({kv_gb:.1f} GB of KV): "
               f"whole {t_whole:.3f} ms; halves in turn {t_seq:.3f} ms; halves on two streams {t_tbo:.3f} ms; "
               f"gain {t_whole / t_tbo:.3f}", flush=True)
