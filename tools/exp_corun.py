@@ -83,9 +83,10 @@ def main() -> None:
     indices = (torch.randperm(slots, device=dev) + 1).to(torch.int32)
     splits = num_kv_splits(args.batch, hk, torch.cuda.get_device_properties(dev).multi_processor_count)
     out = torch.empty_like(q)
+    counters = torch.zeros(args.batch * hk, dtype=torch.int32, device=dev)  # the engine's merge counts
 
     def decode_layer():
-        decode_attention(q, k_buf, v_buf, indptr, indices, d ** -0.5, splits, out=out)
+        decode_attention(q, k_buf, v_buf, indptr, indices, d ** -0.5, splits, out=out, counters=counters)
 
     sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
     gb = capture_graph(decode_layer, sb)

@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.kernels.decode_attention import (_LOG2E, DecodeLaunch, _attend, _query_tile, _store_partial,
-                                              check_counters, check_decode_inputs, default_launch)
+from rollout.kernels.decode_attention import (_LOG2E, DecodeLaunch, _attend, _merge_slots, _query_tile,
+                                              _store_partial, check_counters, check_decode_inputs, default_launch)
 from rollout.kernels.pdl import pdl_launch, pdl_prologue
 
 _PLAN_BLOCK = 1024
@@ -103,27 +103,6 @@ def plan_pieces(kv_indptr: torch.Tensor, batch_size: int, pieces: DecodePieces, 
 
 
 @triton.jit
-def _merge_slots(mid_o, mid_lse, out_ptrs, o_row, lse_row, first, count, row_ok, d_ok, BLOCK_H: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    """Online merge of partial slots [first, first + count) by their log-sum-exp (base 2) into ``out_ptrs``;
-    the partials are read past L1 (``.cg``): other programs wrote them."""
-    mask = row_ok[:, None] & d_ok[None, :]
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    w_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s in tl.range(first, first + count):
-        lse = tl.load(lse_row + s, mask=row_ok, other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        old = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * old[:, None] + tl.load(o_row + s * BLOCK_D, mask=mask, other=0.0, cache_modifier=".cg") * w[:, None]
-        w_sum = w_sum * old + w
-        m = m_new
-    merged = acc / tl.where(row_ok, w_sum, 1.0)[:, None]
-    tl.store(out_ptrs, merged.to(out_ptrs.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _pieces_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, first, owner, out, mid_o, mid_lse, counters, qk_scale,
                    v_scale, q_sb, q_sh, k_ss, k_sh, v_ss, v_sh, o_sb, o_sh, slots,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -162,8 +141,8 @@ def _pieces_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, first, owner, out, mi
         counter = counters + b * tl.num_programs(0) + kv_head
         done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if done == n - 1:
-            _merge_slots(mid_o, mid_lse, out_ptrs, mid_o + o_row[:, None] + d[None, :], mid_lse + heads * slots,
-                         p0, n, row_ok, d_ok, BLOCK_H, BLOCK_D)
+            _merge_slots(out_ptrs, mid_o + o_row[:, None] + d[None, :], mid_lse + heads * slots, p0, n, BLOCK_D,
+                         row_ok, d_ok, BLOCK_H, BLOCK_D)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 

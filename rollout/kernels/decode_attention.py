@@ -5,11 +5,10 @@ the request's tokens. K/V tiles of BLOCK_N tokens stream through a software-pipe
 (``num_stages`` tiles in flight), are widened to the compute type in registers (float8 pools: unit
 scale) and meet the queries on tensor cores with float32 accumulation and an online softmax (base 2).
 
-    stage 1, grid (batch, kv_heads, splits): partial output and log-sum-exp (base 2) per split.
-    stage 2, grid (batch, q_heads): merges the splits by their log-sum-exp (skipped when splits == 1).
-
-With a ``counters`` buffer there is no stage 2 launch: the last program of each (request, KV head) to finish
-its split (an atomic count per pair) merges the pair's splits and sets the count back to 0.
+    stage 1, grid (batch, kv_heads, splits) (or kv_heads first): a partial output and log-sum-exp (base 2)
+    per split; the last program of each (request, KV head) to finish its split (an atomic count per pair in
+    ``counters``) merges the pair's splits (``_merge_slots``) and sets the count back to 0. One split: the
+    program writes the output itself.
 
 Cascade (shared-prefix) decode, ``SharedPrefixArgs``: requests whose first P KV slots are the same (GRPO's N
 samples of one cached prompt) form a group, and a stage 0 launch, grid (groups, kv_heads, prefix_splits),
@@ -126,7 +125,7 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
                          q_sb, q_sh, k_ss, k_sh, v_ss, v_sh, o_sb, o_sh, m_sb, m_sh, m_ss, l_sb, l_sh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, counters, FUSED_MERGE: tl.constexpr,
+                         NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, counters,
                          req_prefix, prefix_splits, CASCADE: tl.constexpr, HEADS_FIRST: tl.constexpr):
     pdl_prologue(USE_PDL)
     if HEADS_FIRST:  # grid (kv_heads, batch, splits)
@@ -146,7 +145,7 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
     qv = _query_tile(q, b * q_sb + heads[:, None] * q_sh + d[None, :], row_ok[:, None] & d_ok[None, :], k_buf)
     start = tl.load(kv_indptr + b)
     seq_len = tl.load(kv_indptr + b + 1) - start
-    skip = 0
+    skip = tl.zeros([], tl.int32)
     if CASCADE:  # the group's prefix is stage 0's: this request's own tokens follow it
         skip = tl.load(req_prefix + b)
     start += skip
@@ -162,10 +161,9 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
     else:
         _store_partial(mid_o, mid_lse, b * m_sb + heads * m_sh, b * l_sb + heads * l_sh, row_ok, d, d_ok, split,
                        acc, l_i, m_i, m_ss)
-        if FUSED_MERGE:
-            _merge_if_last(mid_o, mid_lse, out, counters + b * num_kv_heads + kv_head, b, heads, row_ok, d,
-                           d_ok, m_sb, m_sh, m_ss, l_sb, l_sh, o_sb, o_sh, BLOCK_H, BLOCK_D, SPLITS,
-                           prefix_splits if CASCADE else 0, skip)
+        _merge_if_last(mid_o, mid_lse, out, counters + b * num_kv_heads + kv_head, b, heads, row_ok, d, d_ok,
+                       m_sb, m_sh, m_ss, l_sb, l_sh, o_sb, o_sh, BLOCK_H, BLOCK_D, SPLITS,
+                       prefix_splits if CASCADE else 0, skip)
 
 
 @triton.jit(do_not_specialize=["splits", "prefix_splits"])
@@ -205,61 +203,45 @@ def _shared_prefix_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, groups, mid_o,
 
 
 @triton.jit
-def _merge_if_last(mid_o, mid_lse, out, counter, b, heads, row_ok, d, d_ok, m_sb, m_sh, m_ss, l_sb, l_sh, o_sb,
-                   o_sh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, prefix_splits,
-                   prefix_len):
-    """Count this split of (request, KV head) as done; the last of the SPLITS merges the pair's partials (the
-    same arithmetic as ``_merge_splits_kernel``) into ``out`` and resets the count for the next launch: its
-    SPLITS, and when ``prefix_len`` > 0 the ``prefix_splits`` after them that stage 0 wrote (an earlier
-    launch).
-    The barrier makes every thread's partial stores precede the release of the count; the acquiring side
-    reads the partials past L1 (``.cg``)."""
-    tl.debug_barrier()
-    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if done == SPLITS - 1:
-        lse_row = mid_lse + b * l_sb + heads * l_sh
-        lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for sp in tl.static_range(SPLITS):
-            lse_max = tl.maximum(lse_max, tl.load(lse_row + sp, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
-        with_prefix = row_ok & (heads * 0 + prefix_len > 0)
-        for sp in tl.range(SPLITS, SPLITS + prefix_splits):
-            lse_max = tl.maximum(lse_max, tl.load(lse_row + sp, mask=with_prefix, other=float("-inf"),
-                                                  cache_modifier=".cg"))
-        lse_max = tl.where(row_ok, lse_max, 0.0)
-        w_sum = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        o_row = mid_o + b * m_sb + heads[:, None] * m_sh + d[None, :]
-        mask = row_ok[:, None] & d_ok[None, :]
-        for sp in tl.static_range(SPLITS):
-            w = tl.exp2(tl.load(lse_row + sp, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - lse_max)
-            acc += tl.load(o_row + sp * m_ss, mask=mask, other=0.0, cache_modifier=".cg") * w[:, None]
-            w_sum += w
-        for sp in tl.range(SPLITS, SPLITS + prefix_splits):
-            w = tl.exp2(tl.load(lse_row + sp, mask=with_prefix, other=float("-inf"), cache_modifier=".cg") - lse_max)
-            acc += tl.load(o_row + sp * m_ss, mask=with_prefix[:, None] & d_ok[None, :], other=0.0,
-                           cache_modifier=".cg") * w[:, None]
-            w_sum += w
-        merged = acc / tl.where(row_ok, w_sum, 1.0)[:, None]
-        tl.store(out + b * o_sb + heads[:, None] * o_sh + d[None, :], merged.to(out.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+def _merge_slots(out_ptrs, o_row, lse_row, first, count, o_stride, row_ok, d_ok, BLOCK_H: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """Online merge of partial slots [first, first + count) by their log-sum-exp (base 2) into ``out_ptrs``
+    [BLOCK_H, BLOCK_D]: slot s's partial output at ``o_row + s * o_stride``, its log-sum-exp at ``lse_row + s``,
+    both read past L1 (``.cg``: other programs wrote them). The first slot is never empty; a later empty one
+    (log-sum-exp -inf) weighs 0. The one merge of the split, cascade and balanced decode kernels."""
+    mask = row_ok[:, None] & d_ok[None, :]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    w_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in tl.range(first, first + count):
+        lse = tl.load(lse_row + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        old = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * old[:, None] + tl.load(o_row + s * o_stride, mask=mask, other=0.0,
+                                           cache_modifier=".cg") * w[:, None]
+        w_sum = w_sum * old + w
+        m = m_new
+    merged = acc / tl.where(row_ok, w_sum, 1.0)[:, None]
+    tl.store(out_ptrs, merged.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _merge_splits_kernel(mid_o, mid_lse, out, m_sb, m_sh, m_ss, l_sb, l_sh, o_sb, o_sh,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.arange(0, SPLITS)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    lse = tl.load(mid_lse + b * l_sb + h * l_sh + s)
-    w = tl.exp2(lse - tl.max(lse, 0))
-    o = tl.load(mid_o + b * m_sb + h * m_sh + s[:, None] * m_ss + d[None, :], mask=d_ok[None, :], other=0.0)
-    merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out + b * o_sb + h * o_sh + d, merged.to(out.dtype.element_ty), mask=d_ok)
+def _merge_if_last(mid_o, mid_lse, out, counter, b, heads, row_ok, d, d_ok, m_sb, m_sh, m_ss, l_sb, l_sh, o_sb,
+                   o_sh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, prefix_splits,
+                   prefix_len):
+    """Count this split of (request, KV head) as done; the last of the SPLITS merges the pair's partials
+    (``_merge_slots``) into ``out`` and resets the count for the next launch: its SPLITS, and when
+    ``prefix_len`` (a tensor) > 0 the ``prefix_splits`` after them that stage 0 wrote (an earlier launch).
+    The barrier makes every thread's partial stores precede the release of the count."""
+    tl.debug_barrier()
+    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if done == SPLITS - 1:
+        count = SPLITS + prefix_splits * (prefix_len > 0).to(tl.int32)
+        _merge_slots(out + b * o_sb + heads[:, None] * o_sh + d[None, :],
+                     mid_o + b * m_sb + heads[:, None] * m_sh + d[None, :], mid_lse + b * l_sb + heads * l_sh,
+                     0, count, m_ss, row_ok, d_ok, BLOCK_H, BLOCK_D)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 def num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int, kv_itemsize: int = 2, max_splits: int = 16) -> int:
@@ -313,7 +295,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     kv_indices [kv_indptr[B]] int32 on q's device, every request with at least one token;
     ``num_splits`` a power of two (``num_kv_splits``); ``launch`` None: ``default_launch`` of the pool dtype.
     ``counters``: int32, at least B * Hk elements, all 0 (they are 0 again when the kernel ends): the splits
-    merge inside stage 1 (no second launch); None: a merge kernel runs after it. ``shared_prefix``: cascade
+    merge inside the kernel (None: a zeroed buffer is made for the call when there are splits to merge; the
+    engine passes its own, so CUDA graphs hold no allocation). ``shared_prefix``: cascade
     decode (needs ``counters``); the result is the same attention over each request's whole KV.
     No host sync; CUDA-graph safe.
     """
@@ -338,8 +321,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         mid_lse = torch.empty((b, hq, total), dtype=torch.float32, device=q.device)
     else:
         mid_o, mid_lse = out, out  # unused
-    fused = total > 1 and counters is not None
-    if fused:
+    if total > 1 and counters is None:
+        counters = torch.zeros(b * hk, dtype=torch.int32, device=q.device)
+    if total > 1:
         check_counters(counters, b * hk)
     mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if total > 1 else 0, mid_lse.stride(0),
                    mid_lse.stride(1))
@@ -360,15 +344,10 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         out.stride(0), out.stride(1), *mid_strides,
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=launch.block_n, SPLITS=num_splits, NUM_STAGES=launch.num_stages,
-        counters=counters if fused else out, FUSED_MERGE=fused,
+        counters=out if total == 1 else counters,
         req_prefix=out if shared_prefix is None else shared_prefix.req_prefix, prefix_splits=prefix_splits,
         CASCADE=shared_prefix is not None, HEADS_FIRST=launch.heads_first,
         num_warps=launch.num_warps, **pdl)
-    if num_splits > 1 and not fused:
-        _merge_splits_kernel[(b, hq)](
-            mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-            mid_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=block_d, SPLITS=num_splits,
-            num_warps=4, **pdl)
     return out
 
 
