@@ -38,9 +38,9 @@ def slot_layout(kind: str, batch: int, context: int, device: torch.device) -> to
 
 
 def sweep(q, k, v, indptr, indices, ref, settings, label: str, gb: float,
-          counters: torch.Tensor | None = None) -> tuple[float, tuple]:
+          counters: torch.Tensor) -> tuple[float, tuple]:
     """Time the Triton kernel at each (block_n, warps, stages, splits); the best time and setting.
-    ``counters``: split merges inside the first kernel (``decode_attention``'s fused merge)."""
+    ``counters``: the in-kernel merge's counts, made once as the engine does (not a buffer per call)."""
     best = (float("inf"), settings[0])
     d = q.shape[-1]
     for block_n, warps, stages, splits in settings:
@@ -60,8 +60,7 @@ def sweep(q, k, v, indptr, indices, ref, settings, label: str, gb: float,
 
 
 def run_case(batch: int, context: int, hq: int, hk: int, d: int, kv_dtype: torch.dtype, grid, workspace,
-             layouts: tuple[str, ...] = ("random", "engine"), q_dtype: torch.dtype = torch.bfloat16,
-             fused_merge: bool = False) -> None:
+             layouts: tuple[str, ...] = ("random", "engine"), q_dtype: torch.dtype = torch.bfloat16) -> None:
     """FlashInfer, then the Triton settings, on each slot layout: the sweep on the first, then its best
     setting at other split counts on every layout."""
     import flashinfer
@@ -77,7 +76,7 @@ def run_case(batch: int, context: int, hq: int, hk: int, d: int, kv_dtype: torch
     k = torch.randn(slots + 1, hk, d, device=dev).to(kv_dtype)
     v = torch.randn(slots + 1, hk, d, device=dev).to(kv_dtype)
     gb = 2 * slots * hk * d * k.element_size() / 1e9
-    counters = torch.zeros(batch * hk, dtype=torch.int32, device=dev) if fused_merge else None
+    counters = torch.zeros(batch * hk, dtype=torch.int32, device=dev)
     best = None
     for layout in layouts:
         label = f"{str(kv_dtype).removeprefix('torch.'):13s} q {str(q_dtype).removeprefix('torch.'):8s} d{d} {batch}x{context} {layout:6s}"
@@ -104,7 +103,6 @@ def main() -> None:
     p.add_argument("--fp8-query", default="float16", choices=["float16", "bfloat16"],
                    help="query dtype of the fp8 case (the engine's is the model dtype)")
     p.add_argument("--layouts", default="random,engine", help="slot layouts; the sweep runs on the first")
-    p.add_argument("--fused-merge", action="store_true", help="merge the splits inside the first kernel")
     p.add_argument("--batch", type=int, default=256, help="requests of the 8B-head and Qwen cases")
     p.add_argument("--context", type=int, default=600, help="cached tokens per request of the Qwen case")
     args = p.parse_args()
@@ -116,14 +114,13 @@ def main() -> None:
         grid = tuple([int(x) for x in part.split(",")] for part in args.grid.split(";"))
     if "fp8" in cases:
         run_case(args.batch, 1500, 32, 8, 128, torch.float8_e4m3fn, grid, workspace, layouts,
-                 getattr(torch, args.fp8_query), args.fused_merge)
+                 getattr(torch, args.fp8_query))
     if "bf16" in cases:
-        run_case(args.batch, 1500, 32, 8, 128, torch.bfloat16, grid, workspace, layouts, fused_merge=args.fused_merge)
+        run_case(args.batch, 1500, 32, 8, 128, torch.bfloat16, grid, workspace, layouts)
     if "bf16-d64" in cases:
-        run_case(256, 256, 32, 8, 64, torch.bfloat16, grid, workspace, layouts, fused_merge=args.fused_merge)
+        run_case(256, 256, 32, 8, 64, torch.bfloat16, grid, workspace, layouts)
     if "bf16-qwen" in cases:
-        run_case(args.batch, args.context, 16, 8, 128, torch.bfloat16, grid, workspace, layouts,
-                 fused_merge=args.fused_merge)
+        run_case(args.batch, args.context, 16, 8, 128, torch.bfloat16, grid, workspace, layouts)
 
 
 if __name__ == "__main__":
