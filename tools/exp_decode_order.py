@@ -62,22 +62,21 @@ def varied_lengths(batch: int, seed: int = 0) -> torch.Tensor:
     return prompt + (torch.rand(batch, generator=g) * out).long() + 1
 
 
-def decode_case(label: str, batch: int, context: int, hq: int, hk: int, d: int, launches: list[DecodeLaunch],
-                varied: bool = False, balanced: tuple[float, ...] = (), min_chunks: tuple[int, ...] = (256,),
-                long_tail: int = 0) -> None:
-    """``varied``: per-request lengths from ``varied_lengths`` (their mean replaces ``context``), each request's
-    slots contiguous; ``long_tail`` > 0: the first request that long instead (a GRPO straggler)."""
+def decode_inputs(batch: int, context: int, hq: int, hk: int, d: int, varied: bool = False, long_tail: int = 0):
+    """One decode layer's random bf16 inputs on the GPU: ``(q, k, v, indptr, indices, slots, label)``, the label
+    the case's suffix (" straggler N", " varied"). ``varied``: per-request lengths from ``varied_lengths`` (each
+    request's slots contiguous); ``long_tail`` > 0: the first request that long instead (a GRPO straggler);
+    else ``context`` tokens each in the engine's slot layout."""
     dev = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    label = ""
     if varied:
         lens = varied_lengths(batch)
         if long_tail:
             lens[0] = long_tail
-            label += f" straggler {long_tail}"
+            label = f" straggler {long_tail}"
         indptr = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32).to(dev)
         slots = int(lens.sum())
         indices = torch.arange(1, slots + 1, dtype=torch.int32, device=dev)
-        context = slots // batch
         label += " varied"
     else:
         slots = batch * context
@@ -86,6 +85,18 @@ def decode_case(label: str, batch: int, context: int, hq: int, hk: int, d: int, 
     q = torch.randn(batch, hq, d, device=dev, dtype=torch.bfloat16)
     k = torch.randn(slots + 1, hk, d, device=dev, dtype=torch.bfloat16)
     v = torch.randn(slots + 1, hk, d, device=dev, dtype=torch.bfloat16)
+    return q, k, v, indptr, indices, slots, label
+
+
+def decode_case(label: str, batch: int, context: int, hq: int, hk: int, d: int, launches: list[DecodeLaunch],
+                varied: bool = False, balanced: tuple[float, ...] = (), min_chunks: tuple[int, ...] = (256,),
+                long_tail: int = 0) -> None:
+    """``decode_inputs``' case (``varied``, ``long_tail``) under each launch, split count and balanced setting."""
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    q, k, v, indptr, indices, slots, extra = decode_inputs(batch, context, hq, hk, d, varied, long_tail)
+    label += extra
+    context = slots // batch
     counters = torch.zeros(batch * hk, dtype=torch.int32, device=dev)
     out = torch.empty_like(q)
     gb = 2 * slots * hk * d * 2 / 1e9

@@ -25,8 +25,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout.kernels.decode_attention import decode_attention, num_kv_splits  # noqa: E402
-from tools.exp_decode_order import varied_lengths  # noqa: E402
-from tools.sweep_decode import slot_layout  # noqa: E402
+from tools.exp_decode_order import decode_inputs  # noqa: E402
 from tools.timing import graph_ms  # noqa: E402
 
 
@@ -89,22 +88,11 @@ def heads_loop_attention(q, k_buf, v_buf, kv_indptr, kv_indices, scale, out, hp:
 def case(batch: int, context: int, varied: bool, hq: int = 16, hk: int = 8, d: int = 128) -> None:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    if varied:
-        lens = varied_lengths(batch)
-        indptr = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32).to(dev)
-        slots = int(lens.sum())
-        indices = torch.arange(1, slots + 1, dtype=torch.int32, device=dev)
-    else:
-        slots = batch * context
-        indptr = torch.arange(0, slots + 1, context, dtype=torch.int32, device=dev)
-        indices = slot_layout("engine", batch, context, dev)
-    q = torch.randn(batch, hq, d, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(slots + 1, hk, d, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(slots + 1, hk, d, device=dev, dtype=torch.bfloat16)
+    q, k, v, indptr, indices, slots, extra = decode_inputs(batch, context, hq, hk, d, varied)
     counters = torch.zeros(batch * hk, dtype=torch.int32, device=dev)
     out = torch.empty_like(q)
     gb = 2 * slots * hk * d * 2 / 1e9
-    label = f"{batch}x{slots // batch}{' varied' if varied else ''}"
+    label = f"{batch}x{slots // batch}{extra}"
     splits = num_kv_splits(batch, hk, sms)
     ref = decode_attention(q, k, v, indptr, indices, d ** -0.5, splits, counters=counters).float()
     ms = graph_ms(lambda: decode_attention(q, k, v, indptr, indices, d ** -0.5, splits, out=out, counters=counters))
