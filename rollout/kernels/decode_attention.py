@@ -319,12 +319,10 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     if total > 1:
         mid_o = torch.empty((b, hq, total, d), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((b, hq, total), dtype=torch.float32, device=q.device)
+        counters = torch.zeros(b * hk, dtype=torch.int32, device=q.device) if counters is None else counters
+        check_counters(counters, b * hk)
     else:
         mid_o, mid_lse = out, out  # unused
-    if total > 1 and counters is None:
-        counters = torch.zeros(b * hk, dtype=torch.int32, device=q.device)
-    if total > 1:
-        check_counters(counters, b * hk)
     mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if total > 1 else 0, mid_lse.stride(0),
                    mid_lse.stride(1))
     if shared_prefix is not None and shared_prefix.groups.shape[0] > 0:
