@@ -79,19 +79,11 @@ class RadixCache:
         tokens = self._whole_pages(tokens)
         if self.disabled or not tokens:
             return torch.empty(0, dtype=torch.int64), self.root
-        node, values, pos = self.root, [], 0
         now = next(self._clock)
-        node.last_access = now
-        while pos < len(tokens) and self._child_key(tokens, pos) in node.children:
-            child = node.children[self._child_key(tokens, pos)]
-            n = common_len(child.key, tokens[pos:], self.page_size)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
-            values.append(child.value)
-            node, pos = child, pos + n
-        slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
-        return slots, node
+        self.root.last_access = now
+        path, _ = self._descend(tokens, now)
+        slots = torch.cat([n.value for n in path]) if path else torch.empty(0, dtype=torch.int64)
+        return slots, path[-1] if path else self.root
 
     def insert(self, tokens: list[int], slots: torch.Tensor) -> int:
         """Insert the whole pages of ``tokens`` → ``slots``; returns how many leading tokens were already
@@ -99,15 +91,9 @@ class RadixCache:
         if self.disabled:
             return 0
         tokens = self._whole_pages(tokens)
-        node, pos = self.root, 0
         now = next(self._clock)
-        while pos < len(tokens) and self._child_key(tokens, pos) in node.children:
-            child = node.children[self._child_key(tokens, pos)]
-            n = common_len(child.key, tokens[pos:], self.page_size)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
-            node, pos = child, pos + n
+        path, pos = self._descend(tokens, now)
+        node = path[-1] if path else self.root
         if pos < len(tokens):
             leaf = TreeNode(next(self._uids), node)
             leaf.key = list(tokens[pos:])
@@ -116,6 +102,21 @@ class RadixCache:
             node.children[self._child_key(leaf.key, 0)] = leaf
             self.evictable_size += len(leaf.key)
         return pos
+
+    def _descend(self, tokens: list[int], now: int) -> tuple[list[TreeNode], int]:
+        """Walk from the root along the longest cached prefix of ``tokens`` (whole pages), splitting the last
+        node where the prefix ends inside it, and stamp each node on the way with ``now`` -> (the nodes
+        below the root, in order; the prefix's length)."""
+        node, pos, path = self.root, 0, []
+        while pos < len(tokens) and self._child_key(tokens, pos) in node.children:
+            child = node.children[self._child_key(tokens, pos)]
+            n = common_len(child.key, tokens[pos:], self.page_size)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            path.append(child)
+            node, pos = child, pos + n
+        return path, pos
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Split ``child`` so that its first ``n`` tokens become a new parent node; return that node."""
