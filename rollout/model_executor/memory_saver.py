@@ -8,8 +8,8 @@ decode graphs' memory).
 - CUDA (``TorchMemorySaver``, needs the ``torch-memory-saver`` package of the ``gpu`` extra): the tensors of
   a tag are allocated inside ``region(tag)``; ``release`` unmaps their physical memory and ``resume`` maps
   new memory at the same virtual addresses, so CUDA graphs and IPC handles stay valid. Tensors whose
-  contents must survive are first copied into one pinned host buffer (kept between sleeps) and copied back
-  after ``resume``. The graphs' own memory is not in a region (the package pauses graph memory only in its
+  contents must survive are first copied into one pinned host buffer (kept between sleeps; made by
+  ``pinned_memory.PinnedHostBuffer``) and copied back after ``resume``. The graphs' own memory is not in a region (the package pauses graph memory only in its
   LD_PRELOAD mode): releasing ``"cuda_graph"`` returns the allocator's cached free blocks only.
 - CPU (``HostMemorySaver``): each tensor's storage is resized to 0 bytes and back; contents that must
   survive go to an unlinked temporary file meanwhile (page cache, not the process's memory).
@@ -24,6 +24,8 @@ import tempfile
 from typing import Iterator
 
 import torch
+
+from rollout.model_executor.pinned_memory import PinnedHostBuffer
 
 TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -114,7 +116,7 @@ class TorchMemorySaver(MemorySaver):
                              "pip install 'rollout-engine[gpu]'") from e
         self._saver = Saver()
         self._saver.hook_mode = "torch"
-        self._host: torch.Tensor | None = None  # pinned, reused by every sleep that keeps contents
+        self._host: PinnedHostBuffer | None = None  # reused by every sleep that keeps contents
 
     @contextlib.contextmanager
     def region(self, tag: str) -> Iterator[None]:
@@ -143,15 +145,17 @@ class TorchMemorySaver(MemorySaver):
         offset = 0
         for t in keep:
             n = t.untyped_storage().nbytes()
-            _bytes(t).copy_(self._host[offset:offset + n], non_blocking=True)
+            _bytes(t).copy_(self._host.tensor[offset:offset + n], non_blocking=True)
             offset += n
         torch.cuda.synchronize()
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
-        if self._host is None or self._host.numel() < nbytes:
-            self._host = None
-            self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return self._host
+        if self._host is None or self._host.tensor.numel() < nbytes:
+            if self._host is not None:
+                self._host.close()
+                self._host = None
+            self._host = PinnedHostBuffer(nbytes)
+        return self._host.tensor
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
