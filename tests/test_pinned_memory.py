@@ -9,7 +9,8 @@ import torch
 from rollout.model_executor.pinned_memory import mapped_zeros, touch_threads
 
 
-@pytest.mark.parametrize("nbytes, threads", [(1, 1), (4096, 3), (5 * 4096 + 17, 2), ((8 << 20) + 1, 4), ((70 << 20) + 5, 3)])
+@pytest.mark.parametrize("nbytes, threads",
+                         [(1, 1), (4096, 3), (5 * 4096 + 17, 2), ((8 << 20) + 1, 4), ((70 << 20) + 5, 3)])
 def test_mapped_zeros_are_zero_writable_and_exactly_the_size(nbytes, threads):
     t = mapped_zeros(nbytes, threads)
     assert t.dtype == torch.uint8 and t.shape == (nbytes,)

@@ -89,8 +89,8 @@ def main() -> None:
         torch.cuda.synchronize()
         gbs = 3 * GIB / (time.perf_counter() - t1) / 1e9
         ok = bool((host[GIB - 1] == 7).item())
-        print(f"{way:<24s} {args.gib:.0f} GiB in {alloc_s:6.2f} s ({n / alloc_s / 1e9:5.1f} GB/s); pinned {host.is_pinned()}; "
-              f"1 GiB device->host copy {gbs:5.1f} GB/s; data ok {ok}", flush=True)
+        print(f"{way:<24s} {args.gib:.0f} GiB in {alloc_s:6.2f} s ({n / alloc_s / 1e9:5.1f} GB/s); "
+              f"pinned {host.is_pinned()}; 1 GiB device->host copy {gbs:5.1f} GB/s; data ok {ok}", flush=True)
         if way != "torch":
             torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
         del host, keep

@@ -8,9 +8,10 @@ decode graphs' memory).
 - CUDA (``TorchMemorySaver``, needs the ``torch-memory-saver`` package of the ``gpu`` extra): the tensors of
   a tag are allocated inside ``region(tag)``; ``release`` unmaps their physical memory and ``resume`` maps
   new memory at the same virtual addresses, so CUDA graphs and IPC handles stay valid. Tensors whose
-  contents must survive are first copied into one pinned host buffer (kept between sleeps; made by
-  ``pinned_memory.PinnedHostBuffer``) and copied back after ``resume``. The graphs' own memory is not in a region (the package pauses graph memory only in its
-  LD_PRELOAD mode): releasing ``"cuda_graph"`` returns the allocator's cached free blocks only.
+  contents must survive are first copied into one pinned host buffer (``pinned_memory.PinnedHostBuffer``,
+  kept between sleeps) and copied back after ``resume``. The graphs' own memory is not in a region (the
+  package pauses graph memory only in its LD_PRELOAD mode): releasing ``"cuda_graph"`` returns the
+  allocator's cached free blocks only.
 - CPU (``HostMemorySaver``): each tensor's storage is resized to 0 bytes and back; contents that must
   survive go to an unlinked temporary file meanwhile (page cache, not the process's memory).
 

@@ -1,11 +1,11 @@
 """Large page-locked host buffers, made fast: what a colocated engine's first ``sleep(level=1)`` copies its weights
 into (``memory_saver.TorchMemorySaver``).
 
-``torch.empty(n, pin_memory=True)`` (cudaHostAlloc) faults and pins the pages on one thread, ~1.5-2.6 GB/s on an
-H200 host: 6.7-11.8 s for the 8B's 16 GB. Here the memory is an anonymous mapping advised to use transparent huge
-pages, its pages are faulted in (zeroed by the kernel) from several threads at once, and only then page-locked
-with ``cudaHostRegister``: 0.67 s for 16 GiB with 16 threads (``tools/exp_pinned_alloc.py``; docs/colocation.md).
-The buffer is also exactly its size, where torch's caching host allocator rounds a request up to a power of two.
+``torch.empty(n, pin_memory=True)`` (cudaHostAlloc) faults and pins the pages on one thread, which for a large
+model's weights takes seconds. Here the memory is an anonymous mapping advised to use transparent huge pages, its
+pages are faulted in (zeroed by the kernel) from several threads at once, and only then page-locked with
+``cudaHostRegister``, about ten times faster (timings: docs/colocation.md, ``tools/exp_pinned_alloc.py``). The
+buffer is also exactly its size, where torch's caching host allocator rounds a request up to a power of two.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 _PAGE = 4096            # the touch stride: every base page, so it also works without huge pages
 _PIECE = 32 << 20       # bytes a thread touches per task: 8,192 writes, under torch's parallel grain (32,768)
-_MAX_TOUCH_THREADS = 16  # 16 GiB took 0.67 s at 16 threads, 1.0 s at 8, 3.1 s at 1 (one H200 host)
+_MAX_TOUCH_THREADS = 16  # more threads kept paying on the 16-core host measured (docs/colocation.md)
 
 
 def touch_threads() -> int:
@@ -36,8 +36,8 @@ def mapped_zeros(nbytes: int, threads: int) -> torch.Tensor:
         except OSError:  # transparent huge pages off: base pages, still touched in parallel
             pass
     t = torch.frombuffer(m, dtype=torch.uint8)
-    # pieces small enough that torch runs each fill on the calling thread (its own thread pool, nested under
-    # these threads, contends for the page faults: 4 s instead of 0.7 for 16 GiB); the GIL is released meanwhile
+    # pieces small enough that torch runs each fill on the calling thread: its own thread pool, nested under
+    # these threads, contends for the page faults (several times slower); the GIL is released meanwhile
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(lambda lo: t[lo:lo + _PIECE:_PAGE].fill_(0), range(0, nbytes, _PIECE)))
     return t
