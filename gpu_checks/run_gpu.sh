@@ -26,7 +26,8 @@
 #   bash gpu_checks/run_gpu.sh 8b-logits-w8a8  # ... teacher-forced logits vs transformers computing fp8 alike
 #   bash gpu_checks/run_gpu.sh tp2       # 2 GPUs: TP=2 vs TP=1 logits, TP=2 8B throughput
 #   bash gpu_checks/run_gpu.sh actor     # 2 GPUs: the engine actor's NCCL and CUDA IPC weight paths
-#   bash gpu_checks/run_gpu.sh colocation  # sleep/wake, IPC lifetime, same-GPU push (8B shape), colocated example
+#   bash gpu_checks/run_gpu.sh colocation  # sleep/wake, IPC lifetime, a refused pin, same-GPU push (8B shape),
+#                                          # colocated example
 #   bash gpu_checks/run_gpu.sh moe       # fused MoE kernel: tests, timings vs its floor; Qwen3-30B-A3B shape (4 layers) logits vs HF
 #   bash gpu_checks/run_gpu.sh moe-logits  # the moe stage without its tests and kernel timings (graph check, logits)
 #   bash gpu_checks/run_gpu.sh rl-8b     # Llama-3.1-8B shape: the bench without and with mixed chunks, mixed logits
@@ -145,6 +146,7 @@ num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, initializer_
   colocation)
     step sleep-8b 150 python gpu_checks/check_sleep.py --preset llama-3.1-8b
     step ipc-lifetime 90 python gpu_checks/check_ipc_lifetime.py
+    step pinned-refused 60 python gpu_checks/check_pinned_memory.py
     step push-colocated-8b 120 python -m weight_sync.bench --preset llama-3.1-8b --colocated tensor --repeats 8
     step push-colocated-fsdp2-8b 100 python -m weight_sync.bench --preset llama-3.1-8b --colocated fsdp2 --repeats 3
     step colocated-grpo-8b 120 python examples/colocated_grpo.py --preset llama-3.1-8b --device cuda --steps 5 ;;

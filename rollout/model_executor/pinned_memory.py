@@ -10,6 +10,7 @@ buffer is also exactly its size, where torch's caching host allocator rounds a r
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,32 @@ def mapped_zeros(nbytes: int, threads: int) -> torch.Tensor:
     return t
 
 
+def _loaded_cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library this process has loaded (the one torch calls), or None where none is found."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(None, 5)[-1].strip() for line in maps if "libcudart.so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)  # already loaded: the same handle, the same per-thread error state
+        except OSError:
+            continue
+    return None
+
+
+def clear_last_cuda_error() -> None:
+    """Reset the CUDA runtime's last error (``cudaGetLastError``) after a runtime call that failed.
+
+    A failed call such as ``cudaHostRegister`` leaves its error as the calling thread's last error, and torch
+    checks that state after its own kernel launches: left set, it fails the next unrelated launch with the old
+    error. torch's ``cudart()`` bindings lack the call, so it is made on the runtime library already loaded."""
+    lib = _loaded_cudart()
+    if lib is not None:
+        lib.cudaGetLastError()
+
+
 class PinnedHostBuffer:
     """``nbytes`` of page-locked host memory as the uint8 tensor ``tensor`` (CUDA only). Call ``close()`` before
     dropping it: a buffer pinned by ``cudaHostRegister`` (``registered``) is unpinned there.
@@ -63,6 +90,7 @@ class PinnedHostBuffer:
         cudart = torch.cuda.cudart()
         err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
         if int(err) != 0:
+            clear_last_cuda_error()
             raise RuntimeError(f"pinning {nbytes} bytes of host memory failed: {cudart.cudaGetErrorString(err)}")
         self.tensor, self.registered = t, True
 
