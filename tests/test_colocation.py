@@ -10,7 +10,7 @@ import torch
 
 from rollout import Engine, SamplingParams
 from rollout.client import EngineClient
-from test_server_launch import ServerProcess
+from test_server_launch import running_server
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 250, 17, 9]]
@@ -143,9 +143,7 @@ def test_without_the_memory_saver_the_calls_say_how_to_enable_it(engine):
 
 
 def test_sleep_and_wake_up_over_http(path, hf_reference):
-    srv = ServerProcess(path, "--enable-memory-saver")
-    try:
-        srv.wait_ready()
+    with running_server(path, "--enable-memory-saver") as srv:
         client = EngineClient(srv.url)
         assert client.sleep(level=1)["released"] == ["weights", "kv_cache", "cuda_graph"] and client.is_sleeping()
         with pytest.raises(RuntimeError, match="asleep"):
@@ -160,5 +158,3 @@ def test_sleep_and_wake_up_over_http(path, hf_reference):
                                                                         "ignore_eos": True})
         assert out["output_ids"] == hf_reference(path).greedy([5, 6, 7, 8], 8)
         client.close()
-    finally:
-        assert srv.stop()

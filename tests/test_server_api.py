@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from conftest import prompts_of_lengths
-from rollout import Engine, SamplingParams
+from rollout import SamplingParams
 from rollout.client import EngineClient
-from test_server_launch import ServerProcess, metrics
+from test_server_launch import metrics, running_server
 
 KEY = "test-key"
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -24,11 +24,8 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
 
 @pytest.fixture(scope="module")
 def server(path):
-    srv = ServerProcess(path, api_key=KEY)
-    try:
-        yield srv.wait_ready()
-    finally:
-        assert srv.stop(), "the server did not shut down cleanly (or left engine processes behind)"
+    with running_server(path, api_key=KEY) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -96,18 +96,22 @@ class ServerProcess:
 
 
 @contextmanager
-def server_client(model_path: str, *flags: str) -> Iterator[Any]:
-    """An httpx client of a real server (``ServerProcess``, no API key) on ``model_path``; the server must
-    shut down cleanly at the end."""
-    import httpx
-
-    srv = ServerProcess(model_path, *flags)
+def running_server(model_path: str, *flags: str, api_key: str | None = None) -> Iterator[ServerProcess]:
+    """A real server (``ServerProcess``) on ``model_path``, ready; it must shut down cleanly at the end."""
+    srv = ServerProcess(model_path, *flags, api_key=api_key)
     try:
-        srv.wait_ready()
-        with httpx.Client(base_url=srv.url, timeout=60) as client:
-            yield client
+        yield srv.wait_ready()
     finally:
         assert srv.stop(), "the server did not shut down cleanly (or left engine processes behind)"
+
+
+@contextmanager
+def server_client(model_path: str, *flags: str) -> Iterator[Any]:
+    """An httpx client of ``running_server(model_path, *flags)`` (no API key)."""
+    import httpx
+
+    with running_server(model_path, *flags) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        yield client
 
 
 def metrics(http: Any) -> dict[str, float]:

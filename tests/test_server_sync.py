@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sync_trainer import CHECK_PROMPTS
-from test_server_launch import ServerProcess, free_port, metrics
+from test_server_launch import ServerProcess, free_port, metrics, running_server
 
 KEY = "sync-key"
 CTX = mp.get_context("spawn")
@@ -53,11 +53,8 @@ def run_trainer(url: str, api_key: str, path: str, port: int, commands: Any, res
 
 @pytest.fixture(scope="module")
 def server(path):
-    srv = ServerProcess(path, api_key=KEY)
-    try:
-        yield srv.wait_ready()
-    finally:
-        assert srv.stop(), "the server did not shut down cleanly (or left engine processes behind)"
+    with running_server(path, api_key=KEY) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

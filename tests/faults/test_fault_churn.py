@@ -9,10 +9,9 @@ import random
 import time
 
 import httpx
-import pytest
 
 from rollout import Engine, SamplingParams
-from test_server_launch import ServerProcess
+from test_server_launch import running_server
 
 LONG = {"max_new_tokens": 60, "temperature": 1.0, "ignore_eos": True}
 
@@ -63,9 +62,7 @@ async def _http_churn(url: str) -> None:
 
 def test_http_disconnect_and_pause_churn_leaks_nothing(tiny_dir, hf_reference):
     path = tiny_dir("llama")
-    srv = ServerProcess(path)
-    try:
-        srv.wait_ready()
+    with running_server(path) as srv:
         asyncio.run(_http_churn(srv.url))
         with httpx.Client(base_url=srv.url, timeout=60) as http:
             load = _wait_idle(lambda: http.get("/get_server_info").json())
@@ -73,8 +70,6 @@ def test_http_disconnect_and_pause_churn_leaks_nothing(tiny_dir, hf_reference):
             got = http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
                 "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}).json()
         assert got["output_ids"] == hf_reference(path).greedy([5, 6, 7], 8)
-    finally:
-        assert srv.stop(), "the server did not shut down cleanly"
 
 
 def test_python_api_abandoned_streams_cancellations_aborts_and_pauses_leak_nothing(tiny_dir, hf_reference):
