@@ -1,15 +1,17 @@
-"""A refused ``cudaHostRegister`` raises and leaves no stale CUDA error behind (one GPU).
+"""A refused ``cudaHostRegister`` (or ``cudaHostUnregister``) leaves no stale CUDA error behind (one GPU).
 
 ``PinnedHostBuffer`` pins a colocated engine's host copy of its weights. When the driver refuses (here: memory
 already registered), the call raises with CUDA's message, and the next torch kernel launch must still work:
 the runtime keeps the failed call's error as the thread's last error, which torch's launch checks read.
-First the same failure is made without clearing, to show the check would catch a stale error.
+First the same failure is made without clearing, to show the check would catch a stale error. A refused
+unpin in ``close()`` only warns, and must not leave its error behind either.
 
     python gpu_checks/check_pinned_memory.py     # exits 1 on a failure
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -29,6 +31,7 @@ def launch_error() -> str | None:
 
 
 def main() -> int:
+    logging.basicConfig(level=logging.WARNING)
     lib = pinned_memory._loaded_cudart()
     print("CUDA runtime library found:", lib._name if lib is not None else None)
     held = pinned_memory.PinnedHostBuffer(64 << 20)
@@ -56,7 +59,13 @@ def main() -> int:
     fresh = pinned_memory.PinnedHostBuffer(8 << 20)
     if not fresh.registered:
         failures.append("a new buffer after the failure was not pinned")
-    fresh.close()
+    cudart.cudaHostUnregister(fresh.tensor.data_ptr())  # so that close() finds nothing to unpin
+    pinned_memory.clear_last_cuda_error()
+    fresh.close()  # warns with CUDA's message
+    after = launch_error()
+    print("the next launch after a refused unpin:", after)
+    if after is not None:
+        failures.append(f"a torch launch after the refused unpin failed: {after}")
     for f in failures:
         print("FAIL:", f)
     print("OK" if not failures else "FAILED")

@@ -11,11 +11,14 @@ buffer is also exactly its size, where torch's caching host allocator rounds a r
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _PAGE = 4096            # the touch stride: every base page, so it also works without huge pages
 _PIECE = 32 << 20       # bytes a thread touches per task: 8,192 writes, under torch's parallel grain (32,768)
@@ -97,6 +100,11 @@ class PinnedHostBuffer:
     def close(self) -> None:
         """Unpin the memory (if this buffer pinned it) and drop the tensor."""
         if self.registered and self.tensor is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostUnregister(self.tensor.data_ptr())
+            if int(err) != 0:  # the memory stays pinned until the process ends; nothing else is at stake
+                clear_last_cuda_error()
+                logger.warning("unpinning a %d-byte host buffer failed: %s", self.tensor.numel(),
+                               cudart.cudaGetErrorString(err))
         self.registered = False
         self.tensor = None
