@@ -62,6 +62,16 @@ def engine(path):
         yield e
 
 
+@pytest.fixture(scope="module")
+def server(path):
+    """The real HTTP server (``server_harness.ServerProcess``, API key ``server_harness.API_KEY``) on ``path``
+    for the module; it must shut down cleanly at the end."""
+    from server_harness import API_KEY, running_server
+
+    with running_server(path, api_key=API_KEY) as srv:
+        yield srv
+
+
 @pytest.fixture(scope="session")
 def hf_reference():
     cache: dict = {}

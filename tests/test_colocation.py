@@ -10,7 +10,7 @@ import torch
 
 from rollout import Engine, SamplingParams
 from rollout.client import EngineClient
-from test_server_launch import running_server
+from server_harness import running_server
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 250, 17, 9]]

@@ -8,7 +8,7 @@ import numpy as np
 from rollout import Engine, SamplingParams
 from rollout.outputs import routed_experts_from_base64
 from test_moe import moe_path
-from test_server_launch import server_client
+from server_harness import server_client
 
 
 def test_routed_experts_over_generate_and_openai_equal_the_python_api(tiny_dir):

@@ -10,7 +10,7 @@ import torch
 
 from conftest import prompts_of_lengths
 from rollout import Engine, SamplingParams
-from test_server_launch import server_client
+from server_harness import server_client
 
 TOL = 1e-5
 

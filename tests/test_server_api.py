@@ -14,18 +14,11 @@ import pytest
 from conftest import prompts_of_lengths
 from rollout import SamplingParams
 from rollout.client import EngineClient
-from test_server_launch import metrics, running_server
+from server_harness import API_KEY as KEY, metrics
 
-KEY = "test-key"
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
 TEXTS = ["the sky is", "hello world", "one two three four"]
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what color is the sea"}]
-
-
-@pytest.fixture(scope="module")
-def server(path):
-    with running_server(path, api_key=KEY) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")

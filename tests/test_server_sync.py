@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from sync_trainer import CHECK_PROMPTS
-from test_server_launch import ServerProcess, free_port, metrics, running_server
+from rollout.ipc import free_port
+from server_harness import API_KEY as KEY, ServerProcess, metrics
 
-KEY = "sync-key"
 CTX = mp.get_context("spawn")
 
 
@@ -49,12 +49,6 @@ def run_trainer(url: str, api_key: str, path: str, port: int, commands: Any, res
     leaving = client.destroy_process_group(group_name, async_op=True)
     weight_sync.destroy_process_group(group)
     results.put({"left": leaving.result(timeout=60)})
-
-
-@pytest.fixture(scope="module")
-def server(path):
-    with running_server(path, api_key=KEY) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")

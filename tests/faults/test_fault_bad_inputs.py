@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rollout import Engine, SamplingParams
-from test_server_launch import server_client
+from server_harness import server_client
 
 P = [[5, 6, 7]]  # a valid prompt
 NAME = "model.layers.0.mlp.up_proj.weight"

@@ -11,7 +11,7 @@ import time
 import httpx
 
 from rollout import Engine, SamplingParams
-from test_server_launch import running_server
+from server_harness import running_server
 
 LONG = {"max_new_tokens": 60, "temperature": 1.0, "ignore_eos": True}
 
