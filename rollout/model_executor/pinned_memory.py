@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable
 
 import torch
 
@@ -47,14 +48,22 @@ def mapped_zeros(nbytes: int, threads: int) -> torch.Tensor:
     return t
 
 
+def cudart_candidates(maps_lines: Iterable[str], cuda_version: str | None) -> list[str]:
+    """The CUDA runtime libraries among a process's mappings (``/proc/self/maps`` lines), the one of CUDA major
+    ``cuda_version`` (torch's) first: another library may have loaded a runtime of its own."""
+    paths = {line.split(None, 5)[-1].strip() for line in maps_lines if "libcudart.so" in line}
+    major = f"libcudart.so.{(cuda_version or '').split('.')[0]}"
+    return sorted(paths, key=lambda p: (major not in os.path.basename(p), p))
+
+
 def _loaded_cudart() -> ctypes.CDLL | None:
-    """The CUDA runtime library this process has loaded (the one torch calls), or None where none is found."""
+    """The CUDA runtime library torch calls, as loaded in this process; None where none is found."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split(None, 5)[-1].strip() for line in maps if "libcudart.so" in line}
+            paths = cudart_candidates(maps, torch.version.cuda)
     except OSError:
         return None
-    for path in sorted(paths):
+    for path in paths:
         try:
             return ctypes.CDLL(path)  # already loaded: the same handle, the same per-thread error state
         except OSError:
