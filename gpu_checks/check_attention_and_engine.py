@@ -89,7 +89,7 @@ def check_decode_speed(batch: int = 256, context: int = 1500, hq: int = 32, hk: 
         v = torch.randn(slots + 1, 1, hk, d, device=dev).to(kv_dtype)
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
         w.plan(indptr, indices, last, hq, hk, d, 1, q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=d ** -0.5)
-        ms = _time_ms(lambda: w.run(q, (k, v)))
+        ms = _time_ms(lambda w=w, q=q, k=k, v=v: w.run(q, (k, v)))  # bound now: the loop deletes them
         gb = 2 * slots * hk * d * k.element_size() / 1e9
         print(f"decode {batch} x {context}, q {str(q_dtype).removeprefix('torch.'):8s} "
               f"KV {str(kv_dtype).removeprefix('torch.'):13s} {'tensor-core' if tensor_cores else 'CUDA-core  '}: "
