@@ -1,10 +1,12 @@
 """How fast a large pinned host buffer can be made: the first ``sleep(level=1)`` of a colocated engine allocates
-one for all of its weights (``rollout/model_executor/memory_saver.py``), which took 6.8-10 s for the 8B's 16 GB.
+one for all of its weights (``rollout/model_executor/memory_saver.py``), which took 6.8-10 s for the 8B's 16 GB
+with ``torch.empty(pin_memory=True)``.
 
     python tools/exp_pinned_alloc.py [--gib 16] [--ways torch,register,hugepage-register,hugepage-touch-register]
 
 Ways (each allocates ``--gib`` GiB, then times a 1 GiB device-to-host copy into it to show it is pinned):
-- ``torch``: ``torch.empty(n, dtype=uint8, pin_memory=True)`` (cudaHostAlloc; what the engine does);
+- ``engine``: the engine's ``PinnedHostBuffer`` (``rollout/model_executor/pinned_memory.py``);
+- ``torch``: ``torch.empty(n, dtype=uint8, pin_memory=True)`` (cudaHostAlloc; what the engine did before);
 - ``register``: a pageable ``torch.empty`` then ``cudaHostRegister`` (the driver faults and pins the pages);
 - ``hugepage-register``: an anonymous mmap advised ``MADV_HUGEPAGE``, then ``cudaHostRegister``;
 - ``hugepage-touch-register``: the same, its pages first touched by one write per 2 MiB;
@@ -21,12 +23,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from rollout.model_executor.pinned_memory import PinnedHostBuffer, clear_last_cuda_error
+
 GIB = 1 << 30
 
 
 def _register(t: torch.Tensor) -> None:
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
     if int(err) != 0:
+        clear_last_cuda_error()  # else the next way's copies fail with this error
         raise RuntimeError(f"cudaHostRegister failed: {err}")
 
 
@@ -43,6 +48,9 @@ def _hugepage_buffer(n: int, touch_threads: int) -> tuple[torch.Tensor, mmap.mma
 
 def allocate(way: str, n: int) -> tuple[torch.Tensor, object]:
     """-> (a pinned uint8 host tensor of n bytes, what keeps its memory alive)."""
+    if way == "engine":
+        buf = PinnedHostBuffer(n)
+        return buf.tensor, buf
     if way == "torch":
         t = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         return t, None
@@ -63,7 +71,7 @@ def allocate(way: str, n: int) -> tuple[torch.Tensor, object]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=16.0)
-    ap.add_argument("--ways", default="torch,register,hugepage-register,hugepage-touch-register")
+    ap.add_argument("--ways", default="engine,torch,register,hugepage-register,hugepage-touch-register")
     args = ap.parse_args()
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -91,7 +99,9 @@ def main() -> None:
         ok = bool((host[GIB - 1] == 7).item())
         print(f"{way:<24s} {args.gib:.0f} GiB in {alloc_s:6.2f} s ({n / alloc_s / 1e9:5.1f} GB/s); "
               f"pinned {host.is_pinned()}; 1 GiB device->host copy {gbs:5.1f} GB/s; data ok {ok}", flush=True)
-        if way != "torch":
+        if way == "engine":
+            keep.close()
+        elif way != "torch":
             torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
         del host, keep
 
