@@ -129,6 +129,25 @@ def test_in_kernel_merge_leaves_the_callers_counters_zero(kv_dtype, splits, head
     torch.testing.assert_close(fused.float().cpu(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("heads_first", [False, True], ids=["batch-first", "heads-first"])
+def test_launch_order_changes_no_result(splits, heads_first):
+    """Programs launched in another order (``order``: the index kernel's longest first, or any permutation)
+    compute the same bits: each request's rows still go to its own output."""
+    seq_lens, hq, hk, d = [1, 5, 64, 65, 130], 8, 2, 64
+    q, k_buf, v_buf, indptr, indices = make_case(seq_lens, hq, hk, d, torch.bfloat16, torch.bfloat16, seed=8)
+    launch = DecodeLaunch(16, 4, 2, heads_first)
+    counters = torch.zeros(len(seq_lens) * hk, dtype=torch.int32, device=q.device)
+    plain = decode_attention(q, k_buf, v_buf, indptr, indices, 0.125, splits, launch=launch, counters=counters)
+    for perm in ([4, 3, 2, 1, 0], [2, 0, 4, 1, 3]):
+        order = torch.tensor(perm + [-1], dtype=torch.int32, device=q.device)  # entries past B unused
+        out = decode_attention(q, k_buf, v_buf, indptr, indices, 0.125, splits, launch=launch, counters=counters,
+                               order=order)
+        torch.testing.assert_close(out, plain, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="order"):
+        decode_attention(q, k_buf, v_buf, indptr, indices, 0.125, splits, order=order[:3])
+
+
 def test_fused_merge_rejects_short_or_wrong_counters():
     q, k_buf, v_buf, indptr, indices = make_case([4, 9], 8, 4, 64, torch.bfloat16, torch.bfloat16, seed=1)
     for bad in (torch.zeros(7, dtype=torch.int32), torch.zeros(8, dtype=torch.int64)):

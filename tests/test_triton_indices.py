@@ -29,16 +29,30 @@ def random_table(num_rows: int, max_ctx: int, seed: int, wider_by: int = 0) -> t
     return full.to(DEVICE)[:, wider_by:wider_by + max_ctx]  # sliced on the device (.to would compact it)
 
 
+def launch_order_reference(seq_lens: list[int]) -> list[int]:
+    """The rows by seq len, longest first, ties by row (the module docstring of ``decode_indices``)."""
+    return sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i))
+
+
+def check_order(order: torch.Tensor, seq_lens: list[int], spare: int) -> None:
+    """``order`` (with ``spare`` sentinel entries past the batch) == ``launch_order_reference``."""
+    b = len(seq_lens)
+    assert order[:b].cpu().tolist() == launch_order_reference(seq_lens)
+    assert order[b:].cpu().tolist() == [SENTINEL] * spare
+
+
 def run_both(table: torch.Tensor, rows: list[int], seq_lens: list[int], spare: int = 0):
     """The kernel's indptr and indices buffer (``spare`` entries past the total) and the reference's
-    indptr and indices, all on the host."""
+    indptr and indices, all on the host; the launch order written alongside is checked here."""
     rows_t = torch.tensor(rows, dtype=torch.int64, device=DEVICE)
     lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     total = sum(seq_lens)
     indptr = torch.full((len(rows) + 1,), SENTINEL, dtype=torch.int32, device=DEVICE)
     buf = torch.full((total + spare,), SENTINEL, dtype=torch.int32, device=DEVICE)
-    view = write_kv_indices(table, rows_t, lens_t, indptr, buf, total)
+    order = torch.full((len(rows) + 2,), SENTINEL, dtype=torch.int32, device=DEVICE)
+    view = write_kv_indices(table, rows_t, lens_t, indptr, buf, total, order=order)
     assert view.shape == (total,) and view.data_ptr() == buf.data_ptr()  # a view of the given buffer
+    check_order(order, seq_lens, 2)
     ref_indptr = torch.tensor([0] + seq_lens, dtype=torch.int64).cumsum(0).to(torch.int32)
     ref = kv_indices_for(table, rows_t, lens_t, total)
     return indptr.cpu(), buf.cpu(), ref_indptr, ref.cpu()
@@ -110,6 +124,20 @@ def test_indptr_tail_past_batch_is_untouched_with_int32_rows():
     assert torch.equal(buf[:13].cpu(), torch.cat([table[1, :4], table[3, :9]]).cpu())
 
 
+def test_launch_order_puts_longer_requests_first_and_ties_by_row():
+    assert launch_order_reference([3, 9, 3, 12, 1]) == [3, 1, 0, 2, 4]
+    check(random_table(6, 16, seed=9), [0, 1, 2, 3, 4], [3, 9, 3, 12, 1])
+
+
+def test_rejects_a_short_or_wrong_launch_order_buffer():
+    table = random_table(2, 8, seed=8)
+    args = (table, torch.tensor([0, 1], device=DEVICE), torch.tensor([4, 4], dtype=torch.int32, device=DEVICE),
+            torch.zeros(3, dtype=torch.int32, device=DEVICE), torch.zeros(8, dtype=torch.int32, device=DEVICE), 8)
+    for bad in (torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="order"):
+            write_kv_indices(*args, order=bad.to(DEVICE))
+
+
 def test_rejects_a_buffer_too_small():
     table = random_table(2, 8, seed=8)
     with pytest.raises(ValueError):
@@ -164,8 +192,10 @@ def check_prepare(table: torch.Tensor, step: StepInput, padded: int, spare: int 
     indptr = torch.full((padded + 1 + spare,), SENTINEL, dtype=torch.int32, device=DEVICE)
     indices = torch.full((total + spare,), SENTINEL, dtype=torch.int32, device=DEVICE)
     packed = step.decode_pack().to(DEVICE)
-    view = prepare_decode(packed, last, table, bufs, indptr, indices, padded, total)
+    order = torch.full((padded + spare,), SENTINEL, dtype=torch.int32, device=DEVICE)
+    view = prepare_decode(packed, last, table, bufs, indptr, indices, padded, total, order=order)
     assert view.shape == (total,) and view.data_ptr() == indices.data_ptr()
+    check_order(order, step.seq_lens + [1] * (padded - len(step.rows)), spare)  # padding rows: 1 token
     assert torch.equal(table.cpu(), ref_table)
     for got, want in zip(bufs.tensors(), ref_bufs):
         assert got.dtype == want.dtype

@@ -62,11 +62,13 @@ def varied_lengths(batch: int, seed: int = 0) -> torch.Tensor:
     return prompt + (torch.rand(batch, generator=g) * out).long() + 1
 
 
-def decode_inputs(batch: int, context: int, hq: int, hk: int, d: int, varied: bool = False, long_tail: int = 0):
+def decode_inputs(batch: int, context: int, hq: int, hk: int, d: int, varied: bool = False, long_tail: int = 0,
+                  order: str = "none"):
     """One decode layer's random bf16 inputs on the GPU: ``(q, k, v, indptr, indices, slots, label)``, the label
     the case's suffix (" straggler N", " varied"). ``varied``: per-request lengths from ``varied_lengths`` (each
     request's slots contiguous); ``long_tail`` > 0: the first request that long instead (a GRPO straggler);
-    else ``context`` tokens each in the engine's slot layout."""
+    else ``context`` tokens each in the engine's slot layout. ``order`` (varied only): "desc" / "asc" puts the
+    requests in the batch longest / shortest first, i.e. launches their programs in that order."""
     dev = torch.device("cuda")
     label = ""
     if varied:
@@ -74,6 +76,9 @@ def decode_inputs(batch: int, context: int, hq: int, hk: int, d: int, varied: bo
         if long_tail:
             lens[0] = long_tail
             label = f" straggler {long_tail}"
+        if order != "none":
+            lens = lens.sort(descending=order == "desc").values
+            label += f" {order}"
         indptr = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32).to(dev)
         slots = int(lens.sum())
         indices = torch.arange(1, slots + 1, dtype=torch.int32, device=dev)
@@ -90,11 +95,11 @@ def decode_inputs(batch: int, context: int, hq: int, hk: int, d: int, varied: bo
 
 def decode_case(label: str, batch: int, context: int, hq: int, hk: int, d: int, launches: list[DecodeLaunch],
                 varied: bool = False, balanced: tuple[float, ...] = (), min_chunks: tuple[int, ...] = (256,),
-                long_tail: int = 0) -> None:
+                long_tail: int = 0, order: str = "none") -> None:
     """``decode_inputs``' case (``varied``, ``long_tail``) under each launch, split count and balanced setting."""
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    q, k, v, indptr, indices, slots, extra = decode_inputs(batch, context, hq, hk, d, varied, long_tail)
+    q, k, v, indptr, indices, slots, extra = decode_inputs(batch, context, hq, hk, d, varied, long_tail, order)
     label += extra
     context = slots // batch
     counters = torch.zeros(batch * hk, dtype=torch.int32, device=dev)
@@ -140,6 +145,8 @@ def main() -> None:
     p.add_argument("--balanced", default="1",
                    help="scales of balanced_programs for the load-balanced kernel (comma list; empty: none)")
     p.add_argument("--min-chunks", default="256", help="the balanced kernel's least tokens per range (a list)")
+    p.add_argument("--orders", default="none", help="the varied cases' request orders, a list of none (as "
+                   "generated), desc (longest first), asc (shortest first)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the read-bandwidth probes")
     p.add_argument("--context", type=int, default=600, help="the qwen case's tokens per request (e.g. 4000: a "
                    "GRPO rollout's tail, few long requests)")
@@ -157,8 +164,8 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         if "qwen" in cases:
             decode_case("qwen3-0.6b", batch, args.context, 16, 8, 128, launches, **kw)
-        if "varied" in cases:
-            decode_case("qwen3-0.6b", batch, 0, 16, 8, 128, launches, varied=True, **kw)
+        for order in args.orders.split(",") if "varied" in cases else ():
+            decode_case("qwen3-0.6b", batch, 0, 16, 8, 128, launches, varied=True, order=order, **kw)
         if "straggler" in cases:
             decode_case("qwen3-0.6b", batch, 0, 16, 8, 128, launches, varied=True, long_tail=16384, **kw)
         if "llama8b-varied" in cases:

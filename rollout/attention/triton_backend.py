@@ -27,12 +27,14 @@ if TYPE_CHECKING:
 @dataclass
 class TritonDecodeMetadata:
     """What the Triton decode kernels need per forward: device ``kv_indptr`` [B + 1], ``kv_indices``
-    (int32 slots), the number of KV splits (fixed per batch size), and either the step's pieces
-    (``balanced_decode_attention``) or, for cascade decode, the groups of rows sharing a prefix."""
+    (int32 slots), the number of KV splits (fixed per batch size), the requests' launch order (longest first,
+    ``decode_indices``), and either the step's pieces (``balanced_decode_attention``) or, for cascade decode,
+    the groups of rows sharing a prefix."""
 
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     num_splits: int
+    order: torch.Tensor
     shared_prefix: SharedPrefixArgs | None = None
     pieces: DecodePieces | None = None
 
@@ -76,18 +78,21 @@ class TritonAttnBackend(AttentionBackend):
         require_decode(batch, "triton")
         b = len(batch.seq_lens_cpu)
         batch.balanced_decode = batch.balanced_decode and batch.shared_prefixes is None and self.piece_programs > 0
-        batch.attn_metadata = self._metadata(batch, torch.empty(b + 1, dtype=torch.int32, device=self.spec.device))
+        dev = self.spec.device
+        batch.attn_metadata = self._metadata(batch, torch.empty(b + 1, dtype=torch.int32, device=dev),
+                                             torch.empty(b, dtype=torch.int32, device=dev))
 
-    def _metadata(self, batch: "ForwardBatch", indptr: torch.Tensor,
+    def _metadata(self, batch: "ForwardBatch", indptr: torch.Tensor, order: torch.Tensor,
                   pieces: DecodePieces | None = None) -> TritonDecodeMetadata:
         """Device-side index lists from one kernel launch (no host copy to wait for, so no event either):
         ``kv_indptr`` (cumulative sum of the device ``seq_lens``, into ``indptr``: a graph's fixed buffer
-        when there is one) and ``kv_indices`` (into ``kv_indices_buf``); then the cascade groups, or with
-        ``batch.balanced_decode`` the step's pieces (into ``pieces``: a graph's fixed tables when given)."""
+        when there is one), ``kv_indices`` (into ``kv_indices_buf``) and the launch order (into ``order``);
+        then the cascade groups, or with ``batch.balanced_decode`` the step's pieces (into ``pieces``: a
+        graph's fixed tables when given)."""
         b = len(batch.seq_lens_cpu)
         indices = write_kv_indices(batch.req_to_token, batch.req_pool_indices, batch.seq_lens, indptr,
-                                   self.shared.kv_indices_buf, sum(batch.seq_lens_cpu))
-        meta = self._with_splits(indptr, indices, b)
+                                   self.shared.kv_indices_buf, sum(batch.seq_lens_cpu), order=order)
+        meta = self._with_splits(indptr, indices, order, b)
         shared = batch.shared_prefixes
         cascade = shared is not None and self.max_shared_prefix_members > 0
         if cascade and shared.members:
@@ -106,8 +111,9 @@ class TritonAttnBackend(AttentionBackend):
             self.graph_pieces[bs] = DecodePieces.new(bs, self.piece_programs, self.spec.device)
         return self.graph_pieces.get(bs)
 
-    def _with_splits(self, indptr: torch.Tensor, indices: torch.Tensor, batch_size: int) -> TritonDecodeMetadata:
-        return TritonDecodeMetadata(indptr, indices, self._splits(batch_size))
+    def _with_splits(self, indptr: torch.Tensor, indices: torch.Tensor, order: torch.Tensor,
+                     batch_size: int) -> TritonDecodeMetadata:
+        return TritonDecodeMetadata(indptr, indices, self._splits(batch_size), order)
 
     def _splits(self, programs: int) -> int:
         """KV splits for ``programs`` (requests, or groups of stage 0) per KV head."""
@@ -125,11 +131,11 @@ class TritonAttnBackend(AttentionBackend):
     def graph_state(self, batch_size: int) -> DecodeGraphState:
         groups = self._graph_groups(batch_size) if self.max_shared_prefix_members else 0
         size = batch_size + groups * (1 + self.max_shared_prefix_members) if groups else 0
-        return DecodeGraphState.new(batch_size, self.spec.device, size)
+        return DecodeGraphState.new(batch_size, self.spec.device, size, launch_order=True)
 
     def init_graph_metadata(self, batch: "ForwardBatch", state: DecodeGraphState) -> None:
         pieces = self._pieces_of(state) if batch.balanced_decode else None
-        batch.attn_metadata = self._metadata(batch, state.indptr, pieces)
+        batch.attn_metadata = self._metadata(batch, state.indptr, state.order, pieces)
         self._graph_prefix(batch, state)
 
     def prepare_graph_replay(self, batch: "ForwardBatch", state: DecodeGraphState, packed: torch.Tensor,
@@ -137,7 +143,7 @@ class TritonAttnBackend(AttentionBackend):
         """Inputs, table write and index lists in one launch (``prepare_graph_decode``); for the cascade graph
         (``batch.shared_prefixes`` set) one more copy: the groups into the graph's buffer."""
         indices = prepare_graph_decode(batch, state, packed, last_token_ids, self.shared.kv_indices_buf)
-        batch.attn_metadata = self._with_splits(state.indptr, indices, len(batch.seq_lens_cpu))
+        batch.attn_metadata = self._with_splits(state.indptr, indices, state.order, len(batch.seq_lens_cpu))
         if batch.shared_prefixes is not None:
             groups, cuda = self._graph_groups(state.batch_size), self.spec.device.type == "cuda"
             state.prefix.copy_(batch.shared_prefixes.pack(state.batch_size, groups, self.max_shared_prefix_members,
@@ -171,4 +177,4 @@ class TritonAttnBackend(AttentionBackend):
                                              self.spec.scaling, meta.pieces, self.split_counters, out=out)
         return decode_attention(q.contiguous(), k_buf, v_buf, meta.kv_indptr, meta.kv_indices, self.spec.scaling,
                                 meta.num_splits, out=out, counters=self.split_counters,
-                                shared_prefix=meta.shared_prefix)
+                                shared_prefix=meta.shared_prefix, order=meta.order)

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.kernels.decode_indices import check_launch_order
 from rollout.kernels.pdl import pdl_launch, pdl_prologue
 
 _LOG2E = 1.4426950408889634
@@ -126,8 +127,8 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                          NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, counters,
-                         req_prefix, prefix_splits, CASCADE: tl.constexpr, HEADS_FIRST: tl.constexpr):
-    pdl_prologue(USE_PDL)
+                         req_prefix, prefix_splits, order, CASCADE: tl.constexpr, HEADS_FIRST: tl.constexpr,
+                         ORDERED: tl.constexpr):
     if HEADS_FIRST:  # grid (kv_heads, batch, splits)
         kv_head = tl.program_id(0)
         b = tl.program_id(1)
@@ -136,6 +137,9 @@ def _decode_split_kernel(q, k_buf, v_buf, kv_indptr, kv_indices, out, mid_o, mid
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
         num_kv_heads = tl.num_programs(1)
+    pdl_prologue(USE_PDL)
+    if ORDERED:  # the b-th request launched (longest first: written by the step's index kernel)
+        b = tl.load(order + b)
     split = tl.program_id(2)
     rows = tl.arange(0, BLOCK_H)  # q heads of this KV head (GROUP of them, padded to the MMA height)
     heads = kv_head * GROUP + rows
@@ -286,7 +290,7 @@ def max_prefix_members(group: int) -> int:
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, sm_scale: float, num_splits: int, out: torch.Tensor | None = None,
                      launch: DecodeLaunch | None = None, counters: torch.Tensor | None = None,
-                     shared_prefix: SharedPrefixArgs | None = None) -> torch.Tensor:
+                     shared_prefix: SharedPrefixArgs | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per request against its paged KV (see the module docstring).
 
     q [B, Hq, D] (any float dtype); ``out`` [B, Hq, D] of any float dtype (default: new, q's dtype) gets
@@ -297,7 +301,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     ``counters``: int32, at least B * Hk elements, all 0 (they are 0 again when the kernel ends): the splits
     merge inside the kernel (None: a zeroed buffer is made for the call when there are splits to merge; the
     engine passes its own, so CUDA graphs hold no allocation). ``shared_prefix``: cascade
-    decode (needs ``counters``); the result is the same attention over each request's whole KV.
+    decode (needs ``counters``); the result is the same attention over each request's whole KV. ``order``:
+    int32 [>= B] holding a permutation of 0..B-1 in its first B entries, the order the requests' programs are
+    launched in (``decode_indices``' longest first); it changes no result, only which programs run together.
     No host sync; CUDA-graph safe.
     """
     b, hq, d = q.shape
@@ -308,6 +314,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     prefix_splits = 0 if shared_prefix is None else shared_prefix.splits
     if shared_prefix is not None:
         _check_shared_prefix(shared_prefix, b, counters)
+    check_launch_order(order, b)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if b == 0:
         return out
@@ -344,8 +351,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         BLOCK_N=launch.block_n, SPLITS=num_splits, NUM_STAGES=launch.num_stages,
         counters=out if total == 1 else counters,
         req_prefix=out if shared_prefix is None else shared_prefix.req_prefix, prefix_splits=prefix_splits,
-        CASCADE=shared_prefix is not None, HEADS_FIRST=launch.heads_first,
-        num_warps=launch.num_warps, **pdl)
+        order=out if order is None else order, CASCADE=shared_prefix is not None, HEADS_FIRST=launch.heads_first,
+        ORDERED=order is not None, num_warps=launch.num_warps, **pdl)
     return out
 
 

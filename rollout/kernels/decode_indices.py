@@ -5,10 +5,15 @@ Semantics (``rollout.attention.common.kv_indices_for`` is the torch reference):
     indptr[0] = 0, indptr[i + 1] = seq_lens[0] + ... + seq_lens[i]
     indices[indptr[i]:indptr[i + 1]] = req_to_token[rows[i], :seq_lens[i]]
 
+    with ``order``: order[k] = the row with the k-th longest seq len (ties: the lower row first)
+
 Grid (B, C): program (i, c) finds its request's start by summing the seq lens before it (SCAN of them per
 loop step), then copies chunks c,
 c + C, c + 2C, ... of CHUNK tokens of row ``rows[i]``; its loop bound is the loaded seq len, so any
-length is covered whatever C is. Program (i, 0) writes ``indptr[i + 1]`` (and (0, 0) ``indptr[0]``).
+length is covered whatever C is. Program (i, 0) writes ``indptr[i + 1]`` (and (0, 0) ``indptr[0]``), and
+with ``order`` counts the rows that go before its own (all B seq lens, SCAN per loop step) and writes its
+row at that place. The decode kernel launches its programs in that order (longest first), so that a long
+request's programs start in the first wave instead of outlasting the others in the last.
 Nothing is read back to the host; the outputs are written in place (CUDA-graph buffers keep their
 addresses).
 
@@ -45,9 +50,22 @@ def _start_of(lens, i, batch, PAD: tl.constexpr, SCAN: tl.constexpr):
     return tl.sum(acc, axis=0)
 
 
+@triton.jit
+def _write_launch_order(order, lens, i, n, batch, padded, PAD: tl.constexpr, SCAN: tl.constexpr):
+    """``order[k] = i`` where k counts the rows j < ``padded`` that go before row i (seq len ``n``): a longer
+    seq len, or the same one at a lower row (lens[j] for j < batch, else PAD)."""
+    offs = tl.arange(0, SCAN)
+    acc = tl.zeros([SCAN], tl.int32)
+    for j0 in tl.range(0, padded, SCAN):
+        j = j0 + offs
+        v = tl.load(lens + j, mask=j < batch, other=PAD).to(tl.int32)
+        acc += ((j < padded) & ((v > n) | ((v == n) & (j < i)))).to(tl.int32)
+    tl.store(order + tl.sum(acc, axis=0), i)
+
+
 @triton.jit(do_not_specialize=["batch"])
-def _kv_indices_kernel(req_to_token, rows, seq_lens, indptr, indices, batch, capacity, t_sr, t_sc,
-                       SCAN: tl.constexpr, CHUNK: tl.constexpr):
+def _kv_indices_kernel(req_to_token, rows, seq_lens, indptr, indices, batch, capacity, t_sr, t_sc, order,
+                       SCAN: tl.constexpr, CHUNK: tl.constexpr, ORDER: tl.constexpr):
     i = tl.program_id(0)
     c = tl.program_id(1)
     start = _start_of(seq_lens, i, batch, 0, SCAN)
@@ -56,6 +74,8 @@ def _kv_indices_kernel(req_to_token, rows, seq_lens, indptr, indices, batch, cap
         tl.store(indptr + i + 1, start + n)
         if i == 0:
             tl.store(indptr, start)  # start of request 0: zero, in indptr's own type
+        if ORDER:
+            _write_launch_order(order, seq_lens, i, n, batch, batch, 0, SCAN)
     src = req_to_token + tl.load(rows + i).to(tl.int64) * t_sr
     dst = indices + start
     t = tl.arange(0, CHUNK)
@@ -81,8 +101,15 @@ def chunk_programs(batch_size: int, total: int) -> int:
     return max(1, min(triton.cdiv(total, max(batch_size, 1) * CHUNK), MAX_CHUNK_PROGRAMS))
 
 
+def check_launch_order(order: torch.Tensor | None, need: int) -> None:
+    """A launch order buffer (or None): contiguous int32 of at least ``need`` entries."""
+    if order is not None and (order.dtype != torch.int32 or order.numel() < need or not order.is_contiguous()):
+        raise ValueError(f"order must be a contiguous int32 tensor of >= {need} entries")
+
+
 def write_kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                     indptr: torch.Tensor, indices: torch.Tensor, total: int) -> torch.Tensor:
+                     indptr: torch.Tensor, indices: torch.Tensor, total: int,
+                     order: torch.Tensor | None = None) -> torch.Tensor:
     """Writes ``indptr[:B + 1]`` (cumulative seq lens from 0) and ``indices[:total]`` (the concatenation
     of ``req_to_token[rows[i], :seq_lens[i]]``) in one launch, without a host sync; returns
     ``indices[:total]``.
@@ -91,20 +118,22 @@ def write_kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: t
     ``seq_lens``: integer [B] on the device; ``indptr``: int32, at least B + 1 elements (later ones
     untouched); ``indices``: int32, at least ``total`` elements (later ones untouched). ``total`` is the
     host's sum of the seq lens: it sizes the grid and the returned view only; the device seq lens decide
-    what is written, and writes past ``indices``'s end are dropped rather than made."""
+    what is written, and writes past ``indices``'s end are dropped rather than made. ``order``: int32, at least
+    B elements: ``order[:B]`` gets the rows longest first (the module docstring; later entries untouched)."""
     b = rows.shape[0]
     if seq_lens.shape[0] != b or indptr.numel() < b + 1:
         raise ValueError(f"{b} rows, {seq_lens.shape[0]} seq lens, indptr of {indptr.numel()} (need B + 1)")
     if not (indptr.is_contiguous() and indices.is_contiguous()):
         raise ValueError("indptr and indices must be contiguous")
     _check_index_outputs(req_to_token, indptr, indices, total)
+    check_launch_order(order, b)
     if b == 0:
         indptr[:1].zero_()
         return indices[:0]
     grid = (b, chunk_programs(b, total))
     _kv_indices_kernel[grid](req_to_token, rows, seq_lens, indptr, indices, b, indices.numel(),
-                             req_to_token.stride(0), req_to_token.stride(1),
-                             SCAN=SCAN, CHUNK=CHUNK, num_warps=4)
+                             req_to_token.stride(0), req_to_token.stride(1), indptr if order is None else order,
+                             SCAN=SCAN, CHUNK=CHUNK, ORDER=order is not None, num_warps=4)
     return indices[:total]
 
 
@@ -126,8 +155,8 @@ class DecodeBuffers:
 
 @triton.jit(do_not_specialize=["batch"])
 def _prepare_decode_kernel(packed, batch, last_token_ids, req_to_token, t_sr, t_sc, input_ids, positions,
-                           out_cache_loc, rows_out, seq_lens_out, indptr, indices, capacity, pages, p_sr,
-                           SCAN: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr):
+                           out_cache_loc, rows_out, seq_lens_out, indptr, indices, capacity, pages, p_sr, order,
+                           SCAN: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, ORDER: tl.constexpr):
     i = tl.program_id(0)
     c = tl.program_id(1)
     start = _start_of(packed + 3 * batch, i, batch, 1, SCAN)  # padding rows: 1 token
@@ -147,6 +176,8 @@ def _prepare_decode_kernel(packed, batch, last_token_ids, req_to_token, t_sr, t_
         tl.store(indptr + i + 1, start + n)
         if i == 0:
             tl.store(indptr, start)  # zero, in indptr's own type
+        if ORDER:
+            _write_launch_order(order, packed + 3 * batch, i, n, batch, tl.num_programs(0), 1, SCAN)
     t = tl.arange(0, CHUNK)
     hole = tl.where(real, pos, -1)  # the position whose slot this launch writes (none for padding rows)
     count = tl.cdiv(n, PAGE)  # entries: the slot of every position (PAGE 1), else the page of every PAGE-th
@@ -170,7 +201,8 @@ def _prepare_decode_kernel(packed, batch, last_token_ids, req_to_token, t_sr, t_
 
 def prepare_decode(packed: torch.Tensor, last_token_ids: torch.Tensor, req_to_token: torch.Tensor,
                    out: DecodeBuffers, indptr: torch.Tensor, indices: torch.Tensor, padded: int,
-                   total: int, page_table: torch.Tensor | None = None, page_size: int = 1) -> torch.Tensor:
+                   total: int, page_table: torch.Tensor | None = None, page_size: int = 1,
+                   order: torch.Tensor | None = None) -> torch.Tensor:
     """One launch, no host sync, every output written in place; returns ``indices[:total]`` (with
     ``page_table``: ``page_table[:padded]``).
 
@@ -193,6 +225,8 @@ def prepare_decode(packed: torch.Tensor, last_token_ids: torch.Tensor, req_to_to
       ``page_table[i, j] = slot(i, j * page_size) // page_size`` for j < cdiv(seq_lens[i], page_size), the
       slot read as for ``indices`` (XQA's page list over the KV pages of ``SlotAllocator``); its other
       entries and ``indices`` untouched.
+    - with ``order`` (int32, at least ``padded`` elements): ``order[:padded]`` the rows [0, padded) by their
+      padded seq lens, longest first, ties by row (the module docstring); later entries untouched.
 
     ``req_to_token``: int32 [num_rows, max_ctx], any strides; ``last_token_ids``: [num_rows] integer;
     ``indptr`` and ``indices``: int32, stride 1. ``total`` = the host's sum of the padded seq lens
@@ -206,6 +240,7 @@ def prepare_decode(packed: torch.Tensor, last_token_ids: torch.Tensor, req_to_to
         raise ValueError("indptr, indices, last_token_ids and the decode buffers need stride 1")
     paged = page_table is not None
     _check_index_outputs(req_to_token, indptr, indices, 0 if paged else total)  # paged: indices unused
+    check_launch_order(order, padded)
     if paged and (page_table.dtype != torch.int32 or page_table.stride(1) != 1 or page_table.shape[0] < padded
                   or page_size < 2):
         raise ValueError("page_table must be int32 [>= padded, W] with stride 1 along W, and page_size > 1")
@@ -216,5 +251,6 @@ def prepare_decode(packed: torch.Tensor, last_token_ids: torch.Tensor, req_to_to
     _prepare_decode_kernel[grid](packed, b, last_token_ids, req_to_token, req_to_token.stride(0),
                                  req_to_token.stride(1), *out.tensors(), indptr, indices, indices.numel(),
                                  page_table if paged else indices, page_table.stride(0) if paged else 0,
-                                 SCAN=SCAN, CHUNK=CHUNK, PAGE=page_size if paged else 1, num_warps=4)
+                                 indptr if order is None else order, SCAN=SCAN, CHUNK=CHUNK,
+                                 PAGE=page_size if paged else 1, ORDER=order is not None, num_warps=4)
     return page_table[:padded] if paged else indices[:total]
