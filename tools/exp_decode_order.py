@@ -63,11 +63,11 @@ def varied_lengths(batch: int, seed: int = 0) -> torch.Tensor:
 
 
 def decode_inputs(batch: int, context: int, hq: int, hk: int, d: int, varied: bool = False, long_tail: int = 0,
-                  order: str = "none"):
+                  order: str = "none", layout: str = "engine"):
     """One decode layer's random bf16 inputs on the GPU: ``(q, k, v, indptr, indices, slots, label)``, the label
     the case's suffix (" straggler N", " varied"). ``varied``: per-request lengths from ``varied_lengths`` (each
     request's slots contiguous); ``long_tail`` > 0: the first request that long instead (a GRPO straggler);
-    else ``context`` tokens each in the engine's slot layout. ``order`` (varied only): "desc" / "asc" puts the
+    else ``context`` tokens each in ``layout`` (``tools.sweep_decode.slot_layout``; "engine" by default). ``order`` (varied only): "desc" / "asc" puts the
     requests in the batch longest / shortest first, i.e. launches their programs in that order."""
     dev = torch.device("cuda")
     label = ""
@@ -86,7 +86,8 @@ def decode_inputs(batch: int, context: int, hq: int, hk: int, d: int, varied: bo
     else:
         slots = batch * context
         indptr = torch.arange(0, slots + 1, context, dtype=torch.int32, device=dev)
-        indices = slot_layout("engine", batch, context, dev)
+        indices = slot_layout(layout, batch, context, dev)
+        label = "" if layout == "engine" else f" {layout}"
     q = torch.randn(batch, hq, d, device=dev, dtype=torch.bfloat16)
     k = torch.randn(slots + 1, hk, d, device=dev, dtype=torch.bfloat16)
     v = torch.randn(slots + 1, hk, d, device=dev, dtype=torch.bfloat16)
@@ -95,11 +96,11 @@ def decode_inputs(batch: int, context: int, hq: int, hk: int, d: int, varied: bo
 
 def decode_case(label: str, batch: int, context: int, hq: int, hk: int, d: int, launches: list[DecodeLaunch],
                 varied: bool = False, balanced: tuple[float, ...] = (), min_chunks: tuple[int, ...] = (256,),
-                long_tail: int = 0, order: str = "none") -> None:
+                long_tail: int = 0, order: str = "none", layout: str = "engine") -> None:
     """``decode_inputs``' case (``varied``, ``long_tail``) under each launch, split count and balanced setting."""
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    q, k, v, indptr, indices, slots, extra = decode_inputs(batch, context, hq, hk, d, varied, long_tail, order)
+    q, k, v, indptr, indices, slots, extra = decode_inputs(batch, context, hq, hk, d, varied, long_tail, order, layout)
     label += extra
     context = slots // batch
     counters = torch.zeros(batch * hk, dtype=torch.int32, device=dev)
@@ -147,6 +148,7 @@ def main() -> None:
     p.add_argument("--min-chunks", default="256", help="the balanced kernel's least tokens per range (a list)")
     p.add_argument("--orders", default="none", help="the varied cases' request orders, a list of none (as "
                    "generated), desc (longest first), asc (shortest first)")
+    p.add_argument("--layouts", default="engine", help="the qwen case's slot layouts (engine, contiguous, random)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the read-bandwidth probes")
     p.add_argument("--context", type=int, default=600, help="the qwen case's tokens per request (e.g. 4000: a "
                    "GRPO rollout's tail, few long requests)")
@@ -162,8 +164,8 @@ def main() -> None:
     kw = {"balanced": tuple(float(x) for x in args.balanced.split(",") if x),
           "min_chunks": tuple(int(x) for x in args.min_chunks.split(","))}
     for batch in (int(b) for b in args.batches.split(",")):
-        if "qwen" in cases:
-            decode_case("qwen3-0.6b", batch, args.context, 16, 8, 128, launches, **kw)
+        for layout in args.layouts.split(",") if "qwen" in cases else ():
+            decode_case("qwen3-0.6b", batch, args.context, 16, 8, 128, launches, layout=layout, **kw)
         for order in args.orders.split(",") if "varied" in cases else ():
             decode_case("qwen3-0.6b", batch, 0, 16, 8, 128, launches, varied=True, order=order, **kw)
         if "straggler" in cases:

@@ -27,7 +27,10 @@ from tools.timing import eager_ms  # noqa: E402
 
 
 def slot_layout(kind: str, batch: int, context: int, device: torch.device) -> torch.Tensor:
-    """kv_indices [batch * context] int32 (slots from 1)."""
+    """kv_indices [batch * context] int32 (slots from 1): "random" (a permutation), "contiguous" (each request's
+    slots in a row), else the engine's (the first 2/3 a prefill's run, then one slot per request per step)."""
+    if kind == "contiguous":
+        return torch.arange(1, batch * context + 1, dtype=torch.int32, device=device)
     if kind == "random":
         return (torch.randperm(batch * context, device=device) + 1).to(torch.int32)
     prefill = context * 2 // 3
