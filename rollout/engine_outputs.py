@@ -70,7 +70,7 @@ def astream(tm: TokenizerManager, items: list[PromptItem]) -> AsyncIterator[Requ
     """``stream`` for asyncio callers: an async iterator of delta chunks."""
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue = asyncio.Queue()
-    sink = lambda state: loop.call_soon_threadsafe(updates.put_nowait, state)  # noqa: E731
+    sink = lambda state: _call_soon(loop, updates.put_nowait, state)  # noqa: E731
     states = tm.submit_batch([(prompt, ids, params, sink, rid) for prompt, ids, params, rid in items], stream=True)
     return _aiterate(tm, states, updates)
 
@@ -129,8 +129,18 @@ def _future_sink(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
 
     def sink(state: ReqState) -> None:
         if state.finished:
-            loop.call_soon_threadsafe(resolve)
+            _call_soon(loop, resolve)
     return sink
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """``loop.call_soon_threadsafe`` from the receiver thread, or nothing once the caller's loop has closed: its
+    task was cancelled and ``asyncio.run`` returned before the abort's last output came back, so nobody waits."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
 
 
 def _wait_all(done: queue.Queue, total: int, show: bool) -> None:

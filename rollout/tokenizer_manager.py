@@ -209,7 +209,7 @@ class TokenizerManager:
             for state in touched.values():
                 if state.finished:
                     self._forget(state)
-                state.sink(state)
+                self._notify(state)
         elif isinstance(msg, ControlReply):
             fut = self.controls.pop(msg.cid, None)
             if fut is not None:
@@ -226,12 +226,20 @@ class TokenizerManager:
         for sub in state.sub_rids():
             self.sub_to_state.pop(sub, None)
 
+    def _notify(self, state: ReqState) -> None:
+        """Hand ``state`` to its sink; one that fails (a bug in the caller's code) is logged, so that it keeps
+        neither the other requests from their updates nor ``close`` from closing."""
+        try:
+            state.sink(state)
+        except Exception:  # noqa: BLE001
+            logger.exception("request %s: its output sink failed", state.rid)
+
     def _fail_all(self, message: str) -> None:
         self.dead = message
         for state in list(self.states.values()):
             state.error = message
             self._forget(state)
-            state.sink(state)
+            self._notify(state)
         for fut in list(self.controls.values()):
             fut.set_exception(RuntimeError(message))
         self.controls.clear()
@@ -253,14 +261,16 @@ class TokenizerManager:
         if self.closing:
             return
         self.closing = True
-        with self.send_lock:
-            for sock in (self.to_scheduler, self.to_detokenizer):
-                try:
-                    sock.send_pyobj(ShutdownReq(), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-        self.thread.join(timeout=2)
-        self._fail_all("the engine was shut down")
-        for sock in (self.recv, self.to_scheduler, self.to_detokenizer):
-            sock.close(linger=0)
-        self.ctx.term()
+        try:
+            with self.send_lock:
+                for sock in (self.to_scheduler, self.to_detokenizer):
+                    try:
+                        sock.send_pyobj(ShutdownReq(), zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
+            self.thread.join(timeout=2)
+            self._fail_all("the engine was shut down")
+        finally:  # whatever failed above: a context left open hangs the garbage collector's ``term`` later
+            for sock in (self.recv, self.to_scheduler, self.to_detokenizer):
+                sock.close(linger=0)
+            self.ctx.term()
