@@ -212,7 +212,7 @@ class TokenizerManager:
                 self._notify(state)
         elif isinstance(msg, ControlReply):
             fut = self.controls.pop(msg.cid, None)
-            if fut is not None:
+            if fut is not None and not fut.done():  # done: the caller cancelled it
                 if msg.ok:
                     fut.set_result(msg.result)
                 else:
@@ -241,7 +241,8 @@ class TokenizerManager:
             self._forget(state)
             self._notify(state)
         for fut in list(self.controls.values()):
-            fut.set_exception(RuntimeError(message))
+            if not fut.done():  # done: the caller cancelled it
+                fut.set_exception(RuntimeError(message))
         self.controls.clear()
 
     def _check_alive(self) -> None:

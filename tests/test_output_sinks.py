@@ -10,12 +10,13 @@ receiver thread calls them.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 
 import pytest
 
 from rollout.config import EngineConfig
 from rollout.engine_outputs import _future_sink
-from rollout.io_struct import BatchTokenOut, FinishReason, SchedulerError, TokenOut
+from rollout.io_struct import BatchTokenOut, ControlReply, FinishReason, SchedulerError, TokenOut
 from rollout.ipc import IPCPaths
 from rollout.request_state import ReqState
 from rollout.sampling_params import SamplingParams
@@ -82,3 +83,19 @@ def test_one_failing_sink_does_not_keep_the_others_of_a_message_from_theirs(tm):
     later = register(tm, ReqState("d", None, [1], SamplingParams(), got.append))
     tm._dispatch(SchedulerError("test"))
     assert got == [live, later] and later.error == "the scheduler failed: test"
+
+
+def test_a_cancelled_control_call_keeps_no_other_from_its_answer_or_failure(tm):
+    """A caller may cancel the Future of a control call (``async_op=True``): its reply is dropped, and a
+    failure of every call in flight still reaches the others."""
+    cancelled, answered, failed = Future(), Future(), Future()
+    tm.controls.update({1: cancelled, 2: answered, 3: failed})
+    assert cancelled.cancel()
+    tm._dispatch(ControlReply(cid=1, ok=True, result="late"))
+    tm._dispatch(ControlReply(cid=2, ok=True, result="ok"))
+    assert answered.result() == "ok"
+    tm.controls[4] = cancelled
+    tm._fail_all("the engine was shut down")
+    with pytest.raises(RuntimeError, match="shut down"):
+        failed.result()
+    assert tm.controls == {}
