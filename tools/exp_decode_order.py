@@ -67,8 +67,9 @@ def decode_inputs(batch: int, context: int, hq: int, hk: int, d: int, varied: bo
     """One decode layer's random bf16 inputs on the GPU: ``(q, k, v, indptr, indices, slots, label)``, the label
     the case's suffix (" straggler N", " varied"). ``varied``: per-request lengths from ``varied_lengths`` (each
     request's slots contiguous); ``long_tail`` > 0: the first request that long instead (a GRPO straggler);
-    else ``context`` tokens each in ``layout`` (``tools.sweep_decode.slot_layout``; "engine" by default). ``order`` (varied only): "desc" / "asc" puts the
-    requests in the batch longest / shortest first, i.e. launches their programs in that order."""
+    else ``context`` tokens each in ``layout`` (``tools.sweep_decode.slot_layout``; "engine" by default).
+    ``order`` (varied only): "desc" / "asc" puts the requests in the batch longest / shortest first, i.e. launches
+    their programs in that order."""
     dev = torch.device("cuda")
     label = ""
     if varied:
