@@ -80,7 +80,13 @@ class EngineClient:
     # ---- control ----------------------------------------------------------------------------------
 
     def flush_cache(self) -> bool:
-        return bool(self._post("/flush_cache", None)["success"])
+        """True if flushed; False while running requests hold cache entries (the server's 400, as SGLang's)."""
+        try:
+            return bool(self._post("/flush_cache", None)["success"])
+        except ValueError as e:
+            if "HTTP 400" in str(e) and "not flushed" in str(e):
+                return False
+            raise
 
     reset_prefix_cache = flush_cache
 

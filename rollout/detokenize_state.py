@@ -26,7 +26,9 @@ class DecodeStatus:
     far, complete characters only, before any stop-string cut; ``sent_offset`` is how many of its
     characters ``step`` has returned. ``stop_limit`` is the index in ``decoded_text`` at which the earliest
     complete stop string begins (or ends, with ``include_stop_str_in_output``); nothing at or past it
-    is sent while unfinished.
+    is sent while unfinished. ``stop_from`` is the length of the text of the first ``min_new_tokens``
+    output ids (None until there are that many): a stop string counts only if it ends past it.
+    ``stop_scanned`` is how much of ``decoded_text`` has been searched for stop strings.
     """
 
     decode_ids: list[int] = field(default_factory=list)
@@ -36,6 +38,8 @@ class DecodeStatus:
     decoded_text: str = ""
     sent_offset: int = 0
     stop_limit: int | None = None
+    stop_from: int | None = 0
+    stop_scanned: int = 0
     finished: bool = False
 
     @property
@@ -55,27 +59,33 @@ class IncrementalDetokenizer:
     - A delta never ends inside a character: text whose decode ends in U+FFFD, or whose last token is a
       ``<0xNN>`` byte-fallback token (a later byte could still change how the group decodes), is held
       back until it settles; ``finished=True`` flushes whatever remains.
-    - Stop strings: while unfinished, no text at or after the first complete stop string is sent (the
-      stop string itself is sent with ``include_stop_str_in_output``), and unless
+    - Stop strings count only where they end after the text of the first ``min_new_tokens`` output ids
+      (vLLM's ``min_tokens``). While unfinished, no text at or after the first such stop string is sent
+      (the stop string itself is sent with ``include_stop_str_in_output``), and unless
       ``include_stop_str_in_output`` a suffix that is a prefix of a stop string is held back. On
-      ``finished=True`` with ``matched_stop`` the final text is cut right before (or right after, with
-      ``include_stop_str_in_output``) the first occurrence of ``matched_stop``; if it does not occur,
-      nothing is cut. ``matched_stop`` should be one of ``stop``; the concatenated deltas always equal
-      ``text``, which is never shortened.
+      ``finished=True`` with a string ``matched_stop`` the final text is cut right before (or right after,
+      with ``include_stop_str_in_output``) the first such occurrence of it; if there is none, nothing is
+      cut. ``matched_stop`` should be one of ``stop``; the concatenated deltas always equal ``text``, which
+      is never shortened.
+    - A stop token: on ``finished=True`` with an int ``matched_stop`` equal to the last output id (a stop
+      token id or EOS), that token's text is left out unless ``include_stop_str_in_output`` (vLLM's
+      detokenizer does the same); ``output_ids`` still holds it.
     """
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool, spaces_between_special_tokens: bool,
                  stop: Sequence[str], include_stop_str_in_output: bool,
-                 prompt_token_ids: Sequence[int] | None = None) -> None:
+                 prompt_token_ids: Sequence[int] | None = None, min_new_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.min_new_tokens = min_new_tokens
         self._special_ids: frozenset[int] | None = None
         seed = self._seed_ids(prompt_token_ids)
-        self.status = DecodeStatus(decode_ids=list(seed), num_seed=len(seed), read_offset=len(seed))
+        self.status = DecodeStatus(decode_ids=list(seed), num_seed=len(seed), read_offset=len(seed),
+                                   stop_from=0 if min_new_tokens <= 0 else None)
 
     @property
     def text(self) -> str:
@@ -86,7 +96,7 @@ class IncrementalDetokenizer:
     def output_ids(self) -> list[int]:
         return self.status.output_ids
 
-    def step(self, new_token_ids: Sequence[int], finished: bool, matched_stop: str | None = None) -> str:
+    def step(self, new_token_ids: Sequence[int], finished: bool, matched_stop: str | int | None = None) -> str:
         """Append new tokens; return the text delta that is now safe to show.
 
         Raises RuntimeError when called again after a step with ``finished=True``.
@@ -94,13 +104,29 @@ class IncrementalDetokenizer:
         st = self.status
         if st.finished:
             raise RuntimeError("step() called after the request finished")
-        st.decode_ids.extend(int(t) for t in new_token_ids)
-        old_len = len(st.decoded_text)
+        ids = [int(t) for t in new_token_ids]
+        dropped = ids[-1:] if finished and self._drops_stop_token(ids, matched_stop) else []
+        st.decode_ids.extend(ids[:len(ids) - len(dropped)])
+        if st.stop_from is None and len(st.output_ids) + len(dropped) >= self.min_new_tokens:
+            st.stop_from = self._text_len(self.min_new_tokens)
         st.decoded_text += self._decode_window(flush=finished)
-        self._scan_stops(old_len)
+        st.decode_ids.extend(dropped)  # kept in output_ids, not decoded
+        self._scan_stops()
         end = self._final_end(matched_stop) if finished else self._safe_end()
         st.finished = finished
         return self._send_until(end)
+
+    def _drops_stop_token(self, ids: list[int], matched_stop: str | int | None) -> bool:
+        """Whether the last of ``ids`` is the stop token that ended the request, its text left out."""
+        return (isinstance(matched_stop, int) and not isinstance(matched_stop, bool) and bool(ids)
+                and ids[-1] == matched_stop and not self.include_stop_str_in_output)
+
+    def _text_len(self, n: int) -> int:
+        """Characters that the first ``n`` output ids add to the text (complete characters only)."""
+        st = self.status
+        ids = st.decode_ids[:st.num_seed + n]
+        base = self._decode(ids[:st.num_seed]) if st.num_seed else ""
+        return max(0, len(self._decode(ids).rstrip(REPLACEMENT_CHAR)) - len(base))
 
     # -- window decoding -------------------------------------------------------------------------
 
@@ -159,15 +185,19 @@ class IncrementalDetokenizer:
 
     # -- stop strings ----------------------------------------------------------------------------
 
-    def _scan_stops(self, old_len: int) -> None:
-        """Lower ``stop_limit`` for stop strings that end in text decoded since ``old_len``."""
+    def _scan_stops(self) -> None:
+        """Lower ``stop_limit`` for stop strings that end past both ``stop_scanned`` and ``stop_from``."""
         st = self.status
+        if st.stop_from is None:
+            return  # the output is still within min_new_tokens: no stop string counts yet
+        lo = max(st.stop_scanned, st.stop_from)
         for s in self.stop:
-            idx = st.decoded_text.find(s, max(0, old_len - len(s) + 1))
+            idx = st.decoded_text.find(s, max(0, lo - len(s) + 1))
             if idx < 0:
                 continue
             limit = idx + len(s) if self.include_stop_str_in_output else idx
             st.stop_limit = limit if st.stop_limit is None else min(st.stop_limit, limit)
+        st.stop_scanned = len(st.decoded_text)
 
     def _safe_end(self) -> int:
         """How far into ``decoded_text`` an unfinished request may send."""
@@ -179,12 +209,13 @@ class IncrementalDetokenizer:
             end = min(end, _partial_stop_start(st.decoded_text, self.stop, self._max_stop_len))
         return end
 
-    def _final_end(self, matched_stop: str | None) -> int:
-        """Where the final text ends: at ``matched_stop``'s first occurrence, else the whole text."""
+    def _final_end(self, matched_stop: str | int | None) -> int:
+        """Where the final text ends: at the first occurrence of a string ``matched_stop`` that ends past
+        ``stop_from``, else the whole text."""
         text = self.status.decoded_text
         if not isinstance(matched_stop, str) or not matched_stop:
             return len(text)
-        idx = text.find(matched_stop)
+        idx = text.find(matched_stop, max(0, (self.status.stop_from or 0) - len(matched_stop) + 1))
         if idx < 0:
             return len(text)
         return idx + len(matched_stop) if self.include_stop_str_in_output else idx

@@ -59,10 +59,10 @@ class Detokenizer:
             spec = out.spec
             state = IncrementalDetokenizer(self.tokenizer, spec.skip_special_tokens,
                                            spec.spaces_between_special_tokens, spec.stop,
-                                           spec.include_stop_str_in_output, spec.prompt_tail)
+                                           spec.include_stop_str_in_output, spec.prompt_tail, spec.min_new_tokens)
             self.states[out.rid] = state
         finished = out.finished is not None
-        matched = out.finished.matched if finished and isinstance(out.finished.matched, str) else None
+        matched = out.finished.matched if finished else None
         out.text = state.step(out.token_ids, finished, matched)
         if finished:
             del self.states[out.rid]

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 from rollout import engine_outputs
 from rollout.config import EngineConfig, ModelConfig
 from rollout.dtypes import dtype_name
-from rollout.engine_inputs import PromptItem, normalize
+from rollout.engine_inputs import PromptItem, check_unicode, normalize
 from rollout.io_struct import (BenchmarkReceiveReq, ContinueGenerationReq, ControlReq, DestroyProcessGroupReq,
                                FlushCacheReq, GetLoadReq, GetMemoryStateReq, GetStepStatsReq, GetWeightsByNameReq,
                                GetWeightStateReq, GetWeightVersionReq, InitProcessGroupReq, PauseGenerationReq,
@@ -92,6 +92,10 @@ class Engine:
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
+        for m in messages:
+            for value in (m.values() if isinstance(m, dict) else ()):
+                if isinstance(value, str):
+                    check_unicode(value, "a chat message")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 

@@ -11,6 +11,15 @@ from rollout.sampling_params import SamplingParams
 PromptItem = tuple[Any, Any, SamplingParams, Any]  # (text | None, token ids | None, params, request id | None)
 
 
+def check_unicode(text: str, what: str) -> None:
+    """ValueError if ``text`` holds a lone UTF-16 surrogate (valid JSON can carry one; no tokenizer takes it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate {text[e.start]!r} "
+                         f"at index {e.start}") from None
+
+
 def normalize(prompts: Any, prompt_token_ids: Any, sampling_params: Any, request_id: Any,
               apply_chat_template: Callable[[list[dict[str, Any]]], list[int]]) -> list[PromptItem]:
     """One (text, token ids, params, request id) per prompt; ValueError naming the problem."""

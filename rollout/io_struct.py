@@ -242,12 +242,14 @@ class ExpireUpdateSession:
 
 @dataclass
 class FinishReason:
-    """``type`` is "stop", "length" or "abort"; ``matched`` the stop token id or stop string."""
+    """``type`` is "stop", "length" or "abort"; ``matched`` the stop token id (EOS too, then ``eos``) or stop
+    string."""
 
     type: str
     matched: int | str | None = None
     message: str | None = None
     error_type: str = "ValueError"
+    eos: bool = False
 
 
 @dataclass
@@ -259,6 +261,7 @@ class DecodeSpec:
     stop: list[str]
     include_stop_str_in_output: bool
     prompt_tail: list[int]
+    min_new_tokens: int = 0
 
 
 @dataclass

@@ -76,7 +76,7 @@ class ReqState:
                 seq.routed_experts = out.routed_experts
             if out.finished is not None:
                 seq.finish_reason = out.finished.type
-                seq.stop_reason = out.finished.matched
+                seq.stop_reason = None if out.finished.eos else out.finished.matched  # vLLM: None for EOS
                 if out.finished.type == "abort" and out.finished.message not in (None, "aborted"):
                     self.error, self.error_type = out.finished.message, out.finished.error_type
 

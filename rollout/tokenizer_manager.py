@@ -18,6 +18,7 @@ from typing import Any, Callable
 import zmq
 
 from rollout.config import EngineConfig, ModelConfig
+from rollout.engine_inputs import check_unicode
 from rollout.gc_policy import deferred_gc
 from rollout.io_struct import (AbortReq, BatchGenerateReq, BatchTokenOut, ControlReply, ControlReq, GenerateReq,
                                SchedulerError, ShutdownReq)
@@ -61,6 +62,7 @@ class TokenizerManager:
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this engine was started without a tokenizer: pass prompt_token_ids")
+        check_unicode(prompt, "the prompt")
         return self.tokenizer.encode(prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -115,18 +117,12 @@ class TokenizerManager:
         self._check_alive()
         states: list[ReqState] = []
         msgs: list[GenerateReq] = []
-        rids: set[str] = set()
         for prompt, prompt_ids, params, sink, rid in items:
             state = self._new_state(prompt, prompt_ids, params, sink, rid)
-            if state.rid in rids:
-                raise ValueError(f"duplicate request id {state.rid!r}")
-            rids.add(state.rid)
             states.append(state)
             msgs += self._sequences(state, stream)
         with self.send_lock:
-            taken = [s.rid for s in states if s.rid in self.states]
-            if taken:
-                raise ValueError(f"duplicate request id {taken[0]!r}")
+            self._check_ids_free(states)
             for state in states:
                 self.states[state.rid] = state
                 for i, sub in enumerate(state.sub_rids()):
@@ -134,6 +130,20 @@ class TokenizerManager:
             if msgs:
                 self.to_scheduler.send_pyobj(msgs[0] if len(msgs) == 1 else BatchGenerateReq(msgs))
         return states
+
+    def _check_ids_free(self, states: list[ReqState]) -> None:
+        """ValueError unless every request id of ``states`` and every id of their samples (``rid#i`` for
+        n > 1, the scheduler's ids) is new: taken by no live request and by no other of ``states``."""
+        rids, subs = set(self.states), set(self.sub_to_state)
+        for state in states:
+            if state.rid in rids:
+                raise ValueError(f"duplicate request id {state.rid!r}")
+            clash = next((sub for sub in state.sub_rids() if sub in subs), None)
+            if clash is not None:
+                raise ValueError(f"request id {state.rid!r} clashes with a live request: its sample id {clash!r} "
+                                 f"is taken (a request with n > 1 names its samples '<id>#<i>')")
+            rids.add(state.rid)
+            subs.update(state.sub_rids())
 
     def _new_state(self, prompt: str | None, prompt_ids: list[int] | None, params: SamplingParams,
                    sink: Callable[[ReqState], None], rid: str | None) -> ReqState:

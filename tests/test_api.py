@@ -95,6 +95,8 @@ def test_abort_a_running_request(engine):
     (dict(prompt_token_ids=[[-1, 2]]), "vocabulary"),
     (dict(prompt_token_ids=[[3] * 600]), "context length"),
     (dict(prompts=[""]), "empty"),
+    (dict(prompts=["a\ud800b"]), "lone surrogate"),
+    (dict(prompts=[[{"role": "user", "content": "hi \udfff"}]]), "lone surrogate"),
     (dict(prompts=["hi"], sampling_params={"temperature": -1}), "temperature"),
     (dict(prompts=["hi"], sampling_params={"top_p": 1.5}), "top_p"),
     (dict(prompts=["hi"], sampling_params={"max_tokens": -3}), "max_tokens must be"),
@@ -106,6 +108,27 @@ def test_bad_input_is_a_clear_value_error_and_the_engine_keeps_serving(engine, b
     with pytest.raises(ValueError, match=match):
         engine.generate(use_tqdm=False, **bad)
     assert engine.generate(["hello"], GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_request_ids_clashing_with_live_sample_ids_are_refused(engine):
+    """A request of n > 1 names its samples '<id>#<i>' for the scheduler: an id equal to a live one, or to one
+    of its samples' ids, is refused up front (it used to hang the first request and leak its id)."""
+    long = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True, n=2)
+    stream = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=long, stream=True, request_id="X")
+    next(stream)
+    for rid, match in [("X#0", "sample id 'X#0'"), ("X", "duplicate request id 'X'")]:
+        with pytest.raises(ValueError, match=match):
+            engine.generate(prompt_token_ids=[[5, 6]], sampling_params=GREEDY, request_id=rid, use_tqdm=False)
+    with pytest.raises(ValueError, match="sample id 'Y#1'"):  # within one call
+        engine.generate(prompt_token_ids=[[5, 6], [7, 8]], sampling_params=[long, GREEDY], request_id=["Y", "Y#1"])
+    engine.abort("X")
+    last = None
+    for last in stream:
+        pass
+    assert last.finished and [o.finish_reason for o in last.outputs] == ["abort", "abort"]
+    outs = engine.generate(prompt_token_ids=[[5, 6], [7, 8]], sampling_params=GREEDY, request_id=["X#0", "X"],
+                           use_tqdm=False)
+    assert [o.request_id for o in outs] == ["X#0", "X"] and all(o.finished for o in outs)
 
 
 def test_a_bad_request_fails_only_its_caller(engine):

@@ -73,6 +73,20 @@ def test_completions_equal_the_python_api(oai, engine, path):
     assert resp.model_extra["weight_version"] == "0"
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_completion_top_logprobs_hold_the_chosen_token(oai, path, k):
+    """OpenAI's legacy logprobs (and vLLM's): the chosen token always comes first in its top_logprobs entry,
+    so an entry has up to k + 1 tokens, and logprobs=0 gives one-entry dicts; the echoed prompt too."""
+    resp = oai.completions.create(model=path, prompt=TEXTS[0], max_tokens=24, temperature=1.5, seed=3, logprobs=k,
+                                  echo=True, extra_body={"ignore_eos": True})
+    lp = resp.choices[0].logprobs
+    assert lp.top_logprobs[0] is None and len(lp.top_logprobs) == len(lp.tokens) > 24
+    for tok, chosen, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert next(iter(top)) == tok and 1 <= len(top) <= k + 1
+        if k == 0:
+            assert top == {tok: chosen}
+
+
 def test_completions_stream_equals_the_python_api(oai, engine):
     stream = oai.completions.create(model=oai.models.list().data[0].id, prompt=TEXTS, max_tokens=12,
                                     temperature=0, stream=True, stream_options={"include_usage": True},
@@ -261,6 +275,9 @@ def test_abort_request_by_id(server, http):
                                     sampling_params={"max_new_tokens": 480, "temperature": 0, "ignore_eos": True})
     first = next(stream)
     assert first["meta_info"]["id"] == "rid-to-abort"
+    r = http.post("/flush_cache")  # SGLang's status: 400 while a running request holds cache entries
+    assert r.status_code == 400 and r.json()["success"] is False and "not flushed" in r.json()["message"]
+    assert client.flush_cache() is False
     assert client.abort("rid-to-abort") is True
     last = [e for e in stream][-1]
     assert last["meta_info"]["finish_reason"]["type"] == "abort" and last["meta_info"]["completion_tokens"] < 480
@@ -282,6 +299,13 @@ BAD = [  # (path, body (str = raw), headers, status, words in the message)
     ("/v1/completions", {"prompt": [5] * 600, "stream": True}, None, 400, "context length is 512"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, None, 400, "suffix is not supported"),
     ("/v1/completions", {"prompt": [5, 6, 100000]}, None, 400, "out of vocabulary"),
+    ("/v1/completions", '{"prompt": "a\\ud800b"}', None, 400, "lone surrogate"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, None, 400, "stream=True"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, None, 400,
+     "`logprobs` must be set to true"),
+    ("/generate", '{"text": ["ok", "a\\ud800"]}', None, 400, "lone surrogate"),
+    ("/tokenize", '{"prompt": "a\\udfff"}', None, 400, "lone surrogate"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', None, 400, "lone surrogate"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-17"}, None, 404, "does not exist"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, None, 400, "'messages.0.role'"),
     ("/v1/chat/completions", {"messages": []}, None, 400, "'messages'"),

@@ -7,6 +7,11 @@ from typing import Any
 from rollout.io_struct import FinishReason, GenerateReq
 from rollout.sampling_params import SamplingParams
 
+_REPLACEMENT_CHAR = "\ufffd"
+# how many tokens the stop-string window may grow backwards to start at a whole character (a byte-fallback
+# tokenizer decodes a run of <0xNN> tokens as one group, all U+FFFD until it is complete)
+_MAX_WINDOW_WIDENING = 64
+
 
 class Req:
     """One sequence being generated.
@@ -49,7 +54,8 @@ class Req:
         self.cached_tokens_known = False
         self.finished: FinishReason | None = None
         self.routed_experts: Any = None    # read from the KV pool's routing at finish (return_routed_experts)
-        self.stop_tail_len = max((len(s) for s in self.sampling.stop), default=0)
+        # tokens that a stop string can span: each token decodes to at least one byte
+        self.stop_tail_len = max((len(s.encode("utf-8", "surrogatepass")) for s in self.sampling.stop), default=0)
 
     def tokens(self, start: int, end: int) -> list[int]:
         """``fill_ids[start:end]`` without building the whole list (a decode row needs one token of it)."""
@@ -119,8 +125,9 @@ class Req:
         last = self.output_ids[-1]
         n = len(self.output_ids)
         if n >= p.min_new_tokens:
-            if last in p.stop_token_ids or (not p.ignore_eos and last in self.eos_token_ids):
-                self.finished = FinishReason("stop", matched=last)
+            eos = not p.ignore_eos and last in self.eos_token_ids
+            if eos or last in p.stop_token_ids:
+                self.finished = FinishReason("stop", matched=last, eos=eos)
                 return
             if p.stop and tokenizer is not None:
                 matched = self._match_stop_string(tokenizer)
@@ -131,9 +138,22 @@ class Req:
             self.finished = FinishReason("length")
 
     def _match_stop_string(self, tokenizer: Any) -> str | None:
-        tail_ids = self.output_ids[-(self.stop_tail_len + 1):]
-        tail = tokenizer.decode(tail_ids, skip_special_tokens=self.sampling.skip_special_tokens)
+        """The first stop string (in the list's order) that occurs in the decoded last tokens and ends past
+        the text of the first ``min_new_tokens`` output tokens (vLLM's ``min_tokens``: none counts before)."""
+        n, m = len(self.output_ids), self.sampling.min_new_tokens
+        if n <= m:
+            return None
+        skip = self.sampling.skip_special_tokens
+        lo = max(n - (self.stop_tail_len + 1), 0)
+        tail = tokenizer.decode(self.output_ids[lo:], skip_special_tokens=skip)
+        floor = max(lo - _MAX_WINDOW_WIDENING, 0)
+        while tail.startswith(_REPLACEMENT_CHAR) and lo > floor:  # it starts inside a character or inside a
+            lo = max(floor, lo - (n - lo))                        # byte-fallback group: double it
+            tail = tokenizer.decode(self.output_ids[lo:], skip_special_tokens=skip)
+        start = 0
+        if m > lo:  # text of the first m output tokens in the window: no stop string may end within it
+            start = len(tokenizer.decode(self.output_ids[lo:m], skip_special_tokens=skip).rstrip(_REPLACEMENT_CHAR))
         for stop in self.sampling.stop:
-            if stop in tail:
+            if tail.find(stop, max(0, start - len(stop) + 1)) >= 0:
                 return stop
         return None

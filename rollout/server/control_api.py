@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Awaitable
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
 
 from rollout.server.errors import APIError
 from rollout.server.protocol import (AbortRequest, DestroyWeightsUpdateGroupRequest, EmptyRequest,
@@ -21,6 +22,8 @@ from rollout.server.protocol import (AbortRequest, DestroyWeightsUpdateGroupRequ
                                      StartProfileRequest, UpdateWeightsFromDiskRequest,
                                      UpdateWeightsFromDistributedRequest, UpdateWeightVersionRequest)
 from rollout.server.state import ServerState
+
+_NOT_FLUSHED = "Cache not flushed: running requests still hold cache entries."
 
 
 def _state(request: Request) -> ServerState:
@@ -123,11 +126,12 @@ async def rollback_weights(request: Request) -> dict[str, Any]:
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
-async def flush_cache(request: Request) -> dict[str, Any]:
+async def flush_cache(request: Request) -> JSONResponse:
+    """200 when flushed; 400 while running requests still hold cache entries (SGLang's status codes)."""
     state = _state(request)
-    flushed = await _run(state.call(state.engine.flush_cache))
-    return {"success": bool(flushed), "message": "Cache flushed." if flushed else
-            "Cache not flushed: running requests still hold cache entries."}
+    flushed = bool(await _run(state.call(state.engine.flush_cache)))
+    return JSONResponse({"success": flushed, "message": "Cache flushed." if flushed else _NOT_FLUSHED},
+                        status_code=200 if flushed else 400)
 
 
 @router.post("/pause_generation")

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from rollout.engine_inputs import check_unicode
 from rollout.outputs import CompletionOutput, RequestOutput, routed_experts_to_base64
 from rollout.server.errors import APIError
 from rollout.server.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
@@ -66,12 +67,17 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         count: Any = len(tokens)
-    elif isinstance(body.prompt, str):
-        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        count = len(tokens)
-    else:
-        tokens = [tokenizer.encode(p, add_special_tokens=body.add_special_tokens) for p in body.prompt]
-        count = [len(t) for t in tokens]
+        return {"tokens": tokens, "count": count, "max_model_len": engine.context_len}
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    try:
+        for p in prompts:
+            check_unicode(p, "the prompt")
+    except ValueError as e:
+        raise APIError(400, str(e), "prompt") from None
+    tokens = [tokenizer.encode(p, add_special_tokens=body.add_special_tokens) for p in prompts]
+    count = [len(t) for t in tokens]
+    if isinstance(body.prompt, str):
+        tokens, count = tokens[0], count[0]
     return {"tokens": tokens, "count": count, "max_model_len": engine.context_len}
 
 
@@ -211,8 +217,9 @@ def _finish_reason(c: CompletionOutput, length: int, error: str | None) -> dict[
         return None
     if c.finish_reason == "length":
         return {"type": "length", "length": length}
-    if c.finish_reason == "stop":
-        return {"type": "stop", "matched": c.stop_reason}
+    if c.finish_reason == "stop":  # no stop_reason: EOS (vLLM's convention), the last token; SGLang names it
+        matched = c.stop_reason if c.stop_reason is not None else (c.token_ids[-1] if c.token_ids else None)
+        return {"type": "stop", "matched": matched}
     return {"type": "abort", "message": error or "aborted"}
 
 

@@ -73,6 +73,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         raise APIError(400, "tools and tool_choice are not supported", "tools")
     if body.response_format not in (None, {"type": "text"}):
         raise APIError(400, "response_format is not supported", "response_format")
+    if body.top_logprobs and not body.logprobs:  # vLLM's check and message
+        raise APIError(400, "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     engine = state.require_engine()
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in body.messages]
@@ -130,6 +132,8 @@ def _check_common(state: ServerState, body: OpenAICommon) -> None:
                        "model")
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", "logit_bias")
+    if body.stream_options is not None and not body.stream:  # vLLM's check and message
+        raise APIError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
 
 
 def _completion_prompts(prompt: Any) -> tuple[list[str] | None, list[list[int]] | None]:

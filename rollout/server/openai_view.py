@@ -153,8 +153,8 @@ class OpenAIView:
         token_lps = [e[t].logprob if e else None for t, e in zip(prompt_ids, prompt_entries)]
         token_lps += list(c.token_logprobs or [])
         top = None
-        if self.logprobs:
-            top = [{self._text(t): lp for t, lp in self._top(entry)} if entry else None
+        if self.logprobs is not None:  # the chosen token, then the top k: up to k + 1 entries (OpenAI, vLLM)
+            top = [{self._text(t): lp.logprob for t, lp in list(entry.items())[:self.logprobs + 1]} if entry else None
                    for entry in list(prompt_entries) + list(c.logprobs or [])]
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top, "text_offset": offsets}
 
