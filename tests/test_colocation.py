@@ -57,6 +57,9 @@ def test_sleep_level_1_releases_memory_and_wakes_up_exact(sleepy, path, hf_refer
         sleepy.sleep(level=1)
     with pytest.raises(ValueError, match="weights' memory is released"):
         sleepy.update_weights_from_tensor(list(_changed_model(path, 1.1).named_parameters()))
+    for read in (lambda: sleepy.get_weights_by_name("model.norm.weight", 4), sleepy.weights_fingerprint):
+        with pytest.raises(ValueError, match="before reading them"):  # the released storage crashed the scheduler
+            read()
     assert sleepy.wake_up()["sleeping"] is False and not sleepy.is_sleeping()
     with pytest.raises(ValueError, match="awake"):
         sleepy.wake_up()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import tempfile
 import time
 
 import pytest
@@ -218,6 +219,13 @@ def test_update_waits_for_in_flight_requests_and_pause_modes(path):
         assert result["weight_version"] == "1" and engine.weights_fingerprint() == weight_sync.fingerprint(model)
         engine.rollback_weights()
         assert engine.weights_fingerprint() == fp0 and engine.get_weight_version() == "0"
+        engine.update_weight_version("v-before-disk")
+        with tempfile.TemporaryDirectory() as tmp:  # a reload rolls back with its version too (it kept "disk-1")
+            model.save_pretrained(tmp)
+            engine.update_weights_from_disk(tmp, weight_version="disk-1")
+        assert engine.get_weight_version() == "disk-1" and engine.weights_fingerprint() == weight_sync.fingerprint(model)
+        engine.rollback_weights()
+        assert engine.weights_fingerprint() == fp0 and engine.get_weight_version() == "v-before-disk"
 
         stream = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, stream=True)
         next(stream)

@@ -147,6 +147,8 @@ class WeightSync:
             problems.append(f"checkpoint {req.model_path!r} lacks {len(missing)} parameters, e.g. {missing[:3]}")
         if problems:
             raise ValueError("; ".join(problems[:5]))
+        if not self.updater.session:
+            self.version_before_session = self.weight_version  # what rollback_weights restores
         nbytes = 0
         try:
             for name, tensor in iter_safetensors(req.model_path):
@@ -220,7 +222,14 @@ class WeightSync:
 
     # ---- verification -------------------------------------------------------------------------
 
+    def _check_readable(self) -> None:
+        """ValueError while the weights' memory is released (asleep): reading it would crash the process."""
+        blocked = self.blocked()
+        if blocked is not None:
+            raise ValueError("the weights' memory is released (asleep): wake_up(tags=['weights']) before reading them")
+
     def get_weights_by_name(self, req: GetWeightsByNameReq) -> list[float]:
+        self._check_readable()
         wm = self.updater.weight_map
         wm.check(req.name, wm.shapes.get(wm.canonical(req.name), ()))
         parts = self.tp.gather_object(self.updater.local_tensor(req.name))
@@ -232,6 +241,7 @@ class WeightSync:
     def weights_fingerprint(self, req: Any = None) -> str:
         from rollout.weights.fingerprint import combine_fingerprint
 
+        self._check_readable()
         parts = self.tp.gather_object(self.updater.fingerprint_parts())
         if self.tp.rank != 0:
             return ""
