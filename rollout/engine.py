@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
 import time
 import weakref
 from typing import Any, AsyncIterator, Iterator, Sequence
@@ -67,8 +68,9 @@ class Engine:
 
         ``sampling_params`` is one SamplingParams/dict for all prompts or one per prompt. Returns a list of
         RequestOutput in prompt order; with ``stream=True`` an iterator of delta chunks (each chunk holds
-        the tokens and text new since that request's previous chunk) in arrival order.
-        Invalid input raises ValueError before anything is sent.
+        the tokens and text new since that request's previous chunk) in arrival order, whose ``close()`` (or
+        dropping it, iterated or not) aborts the requests still running. Invalid input raises ValueError
+        before anything is sent.
         """
         items = self._inputs(prompts, prompt_token_ids, sampling_params, request_id)
         if stream:
@@ -249,10 +251,28 @@ class Engine:
         named = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
         self._ipc_handles = self._ipc_handles or IpcHandleCache(receivers=self.config.tp_size)
         specs, payload, done = share(named, self._ipc_handles, ends_push=flush_cache or weight_version is not None)
-        fut = self._call(UpdateWeightsFromTensorReq(specs=specs, payload=payload, flush_cache=flush_cache,
-                                                    weight_version=weight_version, check_finite=check_finite), True)
-        fut.add_done_callback(lambda f: done(not f.cancelled() and f.exception() is None))
-        return fut if async_op else fut.result()
+        try:
+            fut = self._call(UpdateWeightsFromTensorReq(specs=specs, payload=payload, flush_cache=flush_cache,
+                                                        weight_version=weight_version, check_finite=check_finite), True)
+        except BaseException:
+            done(False)  # not sent (the engine is shut down or dead): free the shared segment now
+            raise
+        released = threading.Event()
+
+        def release(f: Any) -> None:
+            try:
+                done(not f.cancelled() and f.exception() is None)
+            finally:
+                released.set()
+
+        fut.add_done_callback(release)  # runs in the receiver thread, once the engine has replied
+        if async_op:
+            return fut
+        try:
+            return fut.result()
+        finally:
+            if fut.done():
+                released.wait()  # a returning call has freed what it shared
 
     def update_weight_cuda_ipc(self, name: str, dtype: Any, shape: Any, ipc_handle: Any, empty_cache: bool = False,
                                async_op: bool = False) -> Any:

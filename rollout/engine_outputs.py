@@ -2,7 +2,7 @@
 
 Every function submits its items through the ``TokenizerManager`` (whose receiver thread calls each
 request's sink) and aborts whatever is unfinished when the caller stops early (an exception, a cancelled
-task, an abandoned stream), so nothing keeps running for nobody.
+task, a stream closed or dropped, started or not), so nothing keeps running for nobody.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
+import weakref
 from typing import AsyncIterator, Iterator
 
 from rollout.engine_inputs import PromptItem
@@ -46,12 +47,63 @@ async def run_batch_async(tm: TokenizerManager, items: list[PromptItem]) -> list
     return [_result(tm, state) for state in states]
 
 
-def stream(tm: TokenizerManager, items: list[PromptItem]) -> Iterator[RequestOutput]:
+class RequestStream(Iterator[RequestOutput]):
+    """The delta chunks of submitted requests. Breaking off, ``close()``, or dropping the stream (even before
+    its first chunk, when a generator's ``finally`` would never run) aborts whatever is unfinished."""
+
+    def __init__(self, tm: TokenizerManager, states: list[ReqState], chunks: Iterator[RequestOutput]) -> None:
+        self._chunks = chunks
+        self._on_drop = _abort_when_dropped(self, tm, states)
+
+    def __iter__(self) -> "RequestStream":
+        return self
+
+    def __next__(self) -> RequestOutput:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        self._chunks.close()
+        self._on_drop()
+
+
+class AsyncRequestStream(AsyncIterator[RequestOutput]):
+    """``RequestStream`` for asyncio callers (``aclose()`` closes it)."""
+
+    def __init__(self, tm: TokenizerManager, states: list[ReqState], chunks: AsyncIterator[RequestOutput]) -> None:
+        self._chunks = chunks
+        self._on_drop = _abort_when_dropped(self, tm, states)
+
+    def __aiter__(self) -> "AsyncRequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+        self._on_drop()
+
+
+def _abort_when_dropped(owner: object, tm: TokenizerManager, states: list[ReqState]) -> weakref.finalize:
+    """A finalizer that aborts the unfinished ``states`` when ``owner`` is collected (or when called). It
+    goes through the receiver thread (``TokenizerManager.abort_soon``): a collection can run while this
+    thread holds the send lock."""
+    def abort() -> None:
+        for state in states:
+            if not state.finished:
+                tm.abort_soon(state.rid)
+
+    finalizer = weakref.finalize(owner, abort)
+    finalizer.atexit = False  # at exit the engine's shutdown fails every request anyway
+    return finalizer
+
+
+def stream(tm: TokenizerManager, items: list[PromptItem]) -> RequestStream:
     """Submit now (like any request), then iterate over delta chunks as they arrive."""
     updates: queue.Queue = queue.Queue()
     states = tm.submit_batch([(prompt, ids, params, updates.put, rid) for prompt, ids, params, rid in items],
                              stream=True)
-    return _iterate(tm, states, updates)
+    return RequestStream(tm, states, _iterate(tm, states, updates))
 
 
 def _iterate(tm: TokenizerManager, states: list[ReqState], updates: queue.Queue) -> Iterator[RequestOutput]:
@@ -66,13 +118,13 @@ def _iterate(tm: TokenizerManager, states: list[ReqState], updates: queue.Queue)
         _abort_unfinished(tm, states)
 
 
-def astream(tm: TokenizerManager, items: list[PromptItem]) -> AsyncIterator[RequestOutput]:
+def astream(tm: TokenizerManager, items: list[PromptItem]) -> AsyncRequestStream:
     """``stream`` for asyncio callers: an async iterator of delta chunks."""
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue = asyncio.Queue()
     sink = lambda state: _call_soon(loop, updates.put_nowait, state)  # noqa: E731
     states = tm.submit_batch([(prompt, ids, params, sink, rid) for prompt, ids, params, rid in items], stream=True)
-    return _aiterate(tm, states, updates)
+    return AsyncRequestStream(tm, states, _aiterate(tm, states, updates))
 
 
 async def _aiterate(tm: TokenizerManager, states: list[ReqState], updates: asyncio.Queue

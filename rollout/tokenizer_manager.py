@@ -7,6 +7,7 @@ loop, streaming and the HTTP server all share one path.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import random
@@ -47,6 +48,7 @@ class TokenizerManager:
         self.to_scheduler = socket(self.ctx, zmq.PUSH, paths.scheduler, bind=False)
         self.to_detokenizer = socket(self.ctx, zmq.PUSH, paths.detokenizer, bind=False)
         self.send_lock = threading.Lock()
+        self.to_abort: collections.deque[str] = collections.deque()  # abort_soon's requests, for the receiver
         self.states: dict[str, ReqState] = {}
         self.sub_to_state: dict[str, tuple[ReqState, int]] = {}
         self.controls: dict[int, Future] = {}
@@ -165,6 +167,11 @@ class TokenizerManager:
                                     return_prompt_logprobs=i == 0 and params.prompt_logprobs is not None))
         return msgs
 
+    def abort_soon(self, rid: str) -> None:
+        """``abort(rid)`` from the receiver thread (within its 0.5 s poll): safe to call from a finalizer, which
+        may run while this thread holds ``send_lock``."""
+        self.to_abort.append(rid)
+
     def abort(self, rid: str) -> None:
         state = self.states.get(rid)
         if state is None:
@@ -193,6 +200,8 @@ class TokenizerManager:
 
     def _receive_loop(self) -> None:
         while not self.closing:
+            while self.to_abort:
+                self.abort(self.to_abort.popleft())
             try:
                 if not self.recv.poll(500):
                     if not self.closing and not self.is_alive():

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import threading
+import time
 
 import pytest
 
@@ -129,6 +131,34 @@ def test_request_ids_clashing_with_live_sample_ids_are_refused(engine):
     outs = engine.generate(prompt_token_ids=[[5, 6], [7, 8]], sampling_params=GREEDY, request_id=["X#0", "X"],
                            use_tqdm=False)
     assert [o.request_id for o in outs] == ["X#0", "X"] and all(o.finished for o in outs)
+
+
+def test_streams_closed_or_dropped_before_their_first_chunk_abort_their_requests(engine):
+    """A generator's ``finally`` never runs if it never started: the stream itself aborts on close or drop."""
+    long = SamplingParams(temperature=0.0, max_new_tokens=480, ignore_eos=True)
+    tm = engine.tokenizer_manager
+
+    def submit(rid: str):
+        return engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=long, stream=True, request_id=rid)
+
+    dropped, closed = submit("dropped"), submit("closed")
+    states = [tm.states["dropped"], tm.states["closed"]]
+    del dropped
+    gc.collect()
+    closed.close()
+
+    async def aclosed():
+        agen = await engine.async_generate(prompt_token_ids=[[5, 6, 7]], sampling_params=long, stream=True,
+                                           request_id="aclosed")
+        states.append(tm.states["aclosed"])
+        await agen.aclose()
+
+    asyncio.run(aclosed())
+    deadline = time.monotonic() + 30
+    while not all(s.finished for s in states) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [s.seqs[0].finish_reason for s in states] == ["abort"] * 3
+    assert all(len(s.seqs[0].token_ids) < 480 for s in states)
 
 
 def test_a_bad_request_fails_only_its_caller(engine):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import signal
@@ -12,6 +13,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from rollout import Engine, SamplingParams
 
@@ -39,6 +41,10 @@ def test_shutdown_leaves_no_children(tiny_dir):
     engine.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate(prompt_token_ids=[[4, 5, 6]], use_tqdm=False)
+    segments = set(glob.glob("/dev/shm/psm_*"))
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.update_weights_from_tensor({"model.norm.weight": torch.ones(64)})
+    assert set(glob.glob("/dev/shm/psm_*")) <= segments, "the refused push left its shared-memory segment behind"
 
 
 def test_child_startup_error_reaches_the_caller(tiny_dir, tmp_path):

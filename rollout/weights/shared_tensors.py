@@ -29,6 +29,10 @@ def share(named: list[tuple[str, torch.Tensor]], handles: IpcHandleCache | None 
     the update (``ipc_protocol``)."""
     if not named:
         raise ValueError("no tensors to update")
+    for name, t in named:
+        if t.is_meta or t.layout != torch.strided:
+            raise ValueError(f"{name!r} is a {'meta' if t.is_meta else str(t.layout)} tensor: it has no dense values "
+                             f"to send")
     specs = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in named]
     tensors = [t.detach() for _, t in named]
     if all(t.is_cuda for t in tensors):
@@ -50,18 +54,22 @@ def share(named: list[tuple[str, torch.Tensor]], handles: IpcHandleCache | None 
 
     total = sum(t.numel() * t.element_size() for t in tensors)
     shm = shared_memory.SharedMemory(create=True, size=max(total, 1))
-    flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=total)
-    offset = 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        flat[offset:offset + n].copy_(t.contiguous().view(-1).view(torch.uint8))
-        offset += n
-    del flat
 
     def done(ok: bool) -> None:
         shm.close()
         shm.unlink()
 
+    try:
+        flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=total)
+        offset = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            flat[offset:offset + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+            offset += n
+        del flat
+    except BaseException:
+        done(False)  # the segment would otherwise outlive the call, as big as the whole push
+        raise
     return specs, ("shm", shm.name), done
 
 

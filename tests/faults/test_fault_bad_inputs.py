@@ -4,6 +4,7 @@ weights untouched and nothing left running, queued or holding KV."""
 
 from __future__ import annotations
 
+import glob
 import math
 
 import pytest
@@ -76,6 +77,8 @@ PY_BAD = [
     (lambda e: e.update_weights_from_tensor({NAME: torch.zeros(3, 3)}), "wrong shape"),
     (lambda e: e.update_weights_from_tensor({NAME: torch.zeros(128, 64, dtype=torch.int32)}), "floating-point"),
     (lambda e: e.update_weights_from_tensor({}), "no tensors"),
+    (lambda e: e.update_weights_from_tensor({NAME: torch.empty(128, 64, device="meta")}), "meta tensor"),
+    (lambda e: e.update_weights_from_tensor({NAME: torch.ones(128, 64).to_sparse()}), "sparse_coo tensor"),
     (lambda e: e.update_weights_from_tensor({NAME: torch.full((128, 64), math.nan)}, check_finite=True),
      "non-finite"),
     (lambda e: e.destroy_process_group("nope"), "no weight-update group named 'nope'"),
@@ -156,12 +159,14 @@ def test_the_suite_covers_at_least_fifty_kinds():
 
 @pytest.mark.parametrize("call, words", PY_BAD, ids=[f"py{i}" for i in range(len(PY_BAD))])
 def test_python_api_refuses_bad_input(engine, call, words):
+    segments = set(glob.glob("/dev/shm/psm_*"))
     with pytest.raises(ValueError) as info:
         if callable(call):
             call(engine)
         else:
             engine.generate(**call, use_tqdm=False)
     assert words in str(info.value), str(info.value)
+    assert set(glob.glob("/dev/shm/psm_*")) <= segments, "a refused push left its shared-memory segment behind"
 
 
 @pytest.mark.parametrize("options, words", ENGINE_BAD, ids=[f"engine{i}" for i in range(len(ENGINE_BAD))])
