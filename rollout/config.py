@@ -305,6 +305,10 @@ class EngineConfig:
             raise ValueError(f"unknown dist_backend {self.dist_backend!r}")
         if not self.decode_balance_ratio >= 0:
             raise ValueError(f"decode_balance_ratio must be >= 0, got {self.decode_balance_ratio}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {self.context_length}")
         if not self.schedule_conservativeness >= 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
         if self.piecewise_cuda_graph_max_tokens is not None and self.piecewise_cuda_graph_max_tokens < 1:

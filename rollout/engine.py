@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 from rollout import engine_outputs
 from rollout.config import EngineConfig, ModelConfig
 from rollout.dtypes import dtype_name
-from rollout.engine_inputs import PromptItem, check_unicode, normalize
+from rollout.engine_inputs import ChatTemplateOptions, PromptItem, chat_prompt_ids, normalize
 from rollout.io_struct import (BenchmarkReceiveReq, ContinueGenerationReq, ControlReq, DestroyProcessGroupReq,
                                FlushCacheReq, GetLoadReq, GetMemoryStateReq, GetStepStatsReq, GetWeightsByNameReq,
                                GetWeightStateReq, GetWeightVersionReq, InitProcessGroupReq, PauseGenerationReq,
@@ -50,6 +50,10 @@ class Engine:
         self.config = EngineConfig(model_path=str(path), tp_size=tp_size, dtype=dtype, device=device or "auto",
                                    **options)
         self.model_config = ModelConfig.from_path(self.config.model_path)
+        limit = self.model_config.max_position_embeddings
+        if self.config.context_length is not None and self.config.context_length > limit:  # SGLang and vLLM refuse too
+            raise ValueError(f"context_length {self.config.context_length} is longer than the model's "
+                             f"max_position_embeddings ({limit})")
         self.tokenizer = None if self.config.skip_tokenizer_init else _load_tokenizer(self.config)
         self._procs = launch(self.config)
         self.tokenizer_manager = TokenizerManager(self.config, self._procs.paths, self.model_config,
@@ -86,20 +90,19 @@ class Engine:
             return engine_outputs.astream(self.tokenizer_manager, items)
         return await engine_outputs.run_batch_async(self.tokenizer_manager, items)
 
-    def chat(self, messages: Any, sampling_params: Any = None, **kwargs: Any) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {role, content}) or a list of them."""
+    def chat(self, messages: Any, sampling_params: Any = None, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {role, content}) or a list of them; the template
+        options are vLLM's ``LLM.chat`` ones (e.g. ``chat_template_kwargs={"enable_thinking": False}``)."""
+        options = ChatTemplateOptions(chat_template, add_generation_prompt, continue_final_message,
+                                      dict(chat_template_kwargs or {}))
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.apply_chat_template(c) for c in convs], sampling_params, **kwargs)
+        return self.generate([self.apply_chat_template(c, options) for c in convs], sampling_params, **kwargs)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        for m in messages:
-            for value in (m.values() if isinstance(m, dict) else ()):
-                if isinstance(value, str):
-                    check_unicode(value, "a chat message")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
+        return chat_prompt_ids(self.tokenizer, messages, options)
 
     def abort(self, request_id: str) -> None:
         self.tokenizer_manager.abort(request_id)

@@ -4,11 +4,48 @@ per prompt, the way vLLM's ``LLM.generate`` takes them: strings, token-id lists,
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 from rollout.sampling_params import SamplingParams
 
 PromptItem = tuple[Any, Any, SamplingParams, Any]  # (text | None, token ids | None, params, request id | None)
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How a conversation becomes a prompt: vLLM's ``LLM.chat`` / chat-completions options. The template's own
+    variables (Qwen3's ``enable_thinking``, ...) go in ``chat_template_kwargs``."""
+
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
+                    options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
+    """The token ids of ``messages`` under the chat template; ValueError naming the problem."""
+    if tokenizer is None or not (options.chat_template or getattr(tokenizer, "chat_template", None)):
+        raise ValueError("this model's tokenizer has no chat template (pass chat_template)")
+    if options.add_generation_prompt and options.continue_final_message:  # vLLM's check and message
+        raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    taken = sorted(set(options.chat_template_kwargs) & _TEMPLATE_ARGUMENTS)
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {taken}: pass them as options of their own")
+    for m in messages:
+        for value in (m.values() if isinstance(m, dict) else ()):
+            if isinstance(value, str):
+                check_unicode(value, "a chat message")
+    ids = tokenizer.apply_chat_template(messages, chat_template=options.chat_template, tokenize=True,
+                                        add_generation_prompt=options.add_generation_prompt,
+                                        continue_final_message=options.continue_final_message,
+                                        **options.chat_template_kwargs)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+_TEMPLATE_ARGUMENTS = frozenset({"chat_template", "tokenize", "add_generation_prompt", "continue_final_message",
+                                 "conversation", "return_dict", "return_tensors"})
 
 
 def check_unicode(text: str, what: str) -> None:

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+# fields (and aliases) whose None is a value, not "use the default": max tokens None runs to the context's end
+_NONE_MEANS_SOMETHING = ("seed", "logprobs", "prompt_logprobs", "max_tokens", "max_new_tokens")
 _ALIASES = {
     "max_tokens": "max_new_tokens",                  # vLLM
     "min_tokens": "min_new_tokens",                  # vLLM
@@ -14,13 +16,16 @@ _ALIASES = {
     "no_stop_trim": "include_stop_str_in_output",    # SGLang: keep the matched stop string / token in the text
 }
 _LOGPROBS_MODES = ("raw", "processed")
+# temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / T would overflow float32 near 1e-38
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(init=False)
 class SamplingParams:
     """How to sample one request.
 
-    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 means off. ``logprobs`` is None (off),
+    ``temperature`` below 1e-5 (0 included) means greedy, as in vLLM. ``top_k`` of 0 or -1 means off.
+    ``logprobs`` is None (off),
     0 (the sampled token's logprob only) or k > 0 (also the top-k alternatives). Logprobs come from the
     model's raw distribution (``logprobs_mode="raw"``, the default) or from the distribution actually
     sampled from after penalties, temperature, top-k/top-p/min-p (``"processed"``).
@@ -36,7 +41,7 @@ class SamplingParams:
     num_hidden_layers, top_k], from position ``routed_experts_start_len`` (0 to the prompt length) on.
     """
 
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -92,16 +97,16 @@ class SamplingParams:
         if isinstance(params, SamplingParams):
             return params
         if isinstance(params, Mapping):
-            return cls(**{k: v for k, v in params.items() if v is not None or k in ("seed", "logprobs", "prompt_logprobs")})
+            return cls(**{k: v for k, v in params.items() if v is not None or k in _NONE_MEANS_SOMETHING})
         raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(params).__name__}")
 
     @property
-    def max_tokens(self) -> int:
+    def max_tokens(self) -> int | None:
         return self.max_new_tokens
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def uses_token_history(self) -> bool:
@@ -116,7 +121,8 @@ class SamplingParams:
 
     def verify(self) -> None:
         """Raise ValueError naming the first invalid field."""
-        _check_int(self, "max_new_tokens", lo=0)
+        if self.max_new_tokens is not None:  # None: until the context ends (vLLM's max_tokens=None)
+            _check_int(self, "max_new_tokens", lo=0)
         _check_int(self, "min_new_tokens", lo=0)
         _check_int(self, "n", lo=1)
         _check_int(self, "top_k", lo=-1)
@@ -126,7 +132,7 @@ class SamplingParams:
         _check_float(self, "repetition_penalty", lo=0.0, lo_open=True)
         _check_float(self, "frequency_penalty", lo=-2.0, hi=2.0)
         _check_float(self, "presence_penalty", lo=-2.0, hi=2.0)
-        if self.min_new_tokens > self.max_new_tokens:
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
                 f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):

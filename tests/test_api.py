@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import math
 import os
 import threading
 import time
@@ -42,6 +43,31 @@ def test_chat_uses_the_template(engine):
     direct = engine.generate(prompt_token_ids=[ids], sampling_params=GREEDY, use_tqdm=False)[0]
     assert via_chat.prompt_token_ids == ids
     assert via_chat.outputs[0].token_ids == direct.outputs[0].token_ids
+
+
+def test_chat_template_options_are_vllms(engine):
+    """``chat_template``, ``chat_template_kwargs`` (the template's own variables, e.g. Qwen3's
+    ``enable_thinking``), ``add_generation_prompt`` and ``continue_final_message`` reach transformers'
+    ``apply_chat_template``."""
+    tok = engine.tokenizer
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if shout %}!!{% endif %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    convo = [{"role": "user", "content": "the sky is"}, {"role": "assistant", "content": "blue and"}]
+    cases = [dict(chat_template=template, chat_template_kwargs={"shout": True}),
+             dict(chat_template=template, add_generation_prompt=False),
+             dict(continue_final_message=True, add_generation_prompt=False)]
+    for options in cases:
+        named = {"add_generation_prompt": True, **{k: v for k, v in options.items() if k != "chat_template_kwargs"}}
+        want = tok.apply_chat_template(convo, tokenize=True, **named, **options.get("chat_template_kwargs", {}))
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        out = engine.chat(convo, GREEDY, use_tqdm=False, **options)[0]
+        assert out.prompt_token_ids == want, options
+    assert tok.decode(engine.chat(convo, GREEDY, use_tqdm=False, **cases[0])[0].prompt_token_ids).endswith(
+        "!!<assistant>")
+    with pytest.raises(ValueError, match="Cannot set both"):
+        engine.chat(convo, GREEDY, continue_final_message=True)
+    with pytest.raises(ValueError, match="may not set"):
+        engine.chat(convo, GREEDY, chat_template_kwargs={"tokenize": False})
 
 
 def test_stream_chunks_add_up_to_the_result(engine):
@@ -159,6 +185,20 @@ def test_streams_closed_or_dropped_before_their_first_chunk_abort_their_requests
         time.sleep(0.05)
     assert [s.seqs[0].finish_reason for s in states] == ["abort"] * 3
     assert all(len(s.seqs[0].token_ids) < 480 for s in states)
+
+
+def test_max_tokens_none_runs_to_the_context_end_and_tiny_temperatures_are_greedy(engine):
+    """vLLM's conventions: max_tokens=None means until the context is full (it was silently 128), and a
+    temperature below 1e-5 samples greedily (at 1e-38, logits / T overflowed to NaN)."""
+    room = engine.context_len - 3
+    for params in (SamplingParams(max_tokens=None, ignore_eos=True), {"max_tokens": None, "ignore_eos": True}):
+        out = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == room and out.finish_reason == "length"
+    greedy = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY, use_tqdm=False)[0].outputs[0]
+    for t in (1e-38, 1e-6):
+        tiny = SamplingParams(temperature=t, max_new_tokens=10, ignore_eos=True, logprobs=0, logprobs_mode="processed")
+        out = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=tiny, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == greedy.token_ids and all(math.isfinite(lp) for lp in out.token_logprobs)
 
 
 def test_a_bad_request_fails_only_its_caller(engine):

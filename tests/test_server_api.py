@@ -125,6 +125,17 @@ def test_chat_equals_the_python_api_stream_and_not(oai, engine, path):
     assert roles == ["assistant"] and text == ref.text and finish == "length"
 
 
+def test_chat_template_options_over_http_equal_the_python_api(oai, engine, path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!!{% endif %}"
+    options = {"chat_template": template, "chat_template_kwargs": {"shout": True}, "add_generation_prompt": False}
+    ref = engine.chat(CHAT, SamplingParams(**GREEDY), use_tqdm=False, **options)[0]
+    resp = oai.chat.completions.create(model=path, messages=CHAT, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True, **options})
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert resp.choices[0].message.content == ref.outputs[0].text
+    assert engine.tokenizer.decode(ref.prompt_token_ids).endswith("!!")
+
+
 def test_n_seed_and_stop_equal_the_python_api(oai, engine, path):
     params = dict(temperature=1.0, top_k=50, max_tokens=10, seed=1234, n=3, ignore_eos=True)
     resp = oai.completions.create(model=path, prompt="the red car", max_tokens=10, temperature=1.0, seed=1234, n=3,

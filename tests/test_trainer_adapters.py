@@ -119,6 +119,12 @@ def test_sampling_params_from_ours_a_dict_or_a_vllm_object():
     assert (v.n, v.temperature, v.top_p, v.max_new_tokens, v.stop_token_ids, v.logprobs) == (2, 0.7, 0.9, 12, [5], 1)
     with pytest.raises(ValueError):
         to_sampling_params({"max_tokens": 4, "not_a_field": 1})
+    # vLLM's max_tokens=None runs to the end of the context (it was the default 128)
+    assert to_sampling_params(types.SimpleNamespace(**{**vars(vllm_like), "max_tokens": None})).max_new_tokens is None
+    assert to_sampling_params({"max_tokens": None}).max_new_tokens is None
+    for field, value in [("allowed_token_ids", [5, 6]), ("logit_bias", {5: 1.0}), ("truncate_prompt_tokens", 8)]:
+        with pytest.raises(ValueError, match=field):  # dropped silently before, changing the sampling
+            to_sampling_params(types.SimpleNamespace(**{**vars(vllm_like), field: value}))
 
 
 # ---- the lazy bucket sender --------------------------------------------------------------------------

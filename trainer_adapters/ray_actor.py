@@ -64,18 +64,26 @@ def engine_options(model: str | None = None, **kwargs: Any) -> dict[str, Any]:
     return out
 
 
+# vLLM SamplingParams fields with no counterpart here: copying the rest silently would change the sampling
+_VLLM_ONLY_SAMPLING = ("allowed_token_ids", "logit_bias", "bad_words", "truncate_prompt_tokens", "guided_decoding",
+                       "structured_outputs", "logits_processors")
+
+
 def to_sampling_params(params: Any) -> SamplingParams:
     """Our ``SamplingParams``, a dict of vLLM/SGLang field names, or a vLLM ``SamplingParams`` object
-    (its fields that we share are copied; vLLM-only fields must be at their defaults)."""
+    (its fields that we share are copied; a vLLM-only field set away from its default is a ValueError)."""
     if params is None or isinstance(params, (SamplingParams, Mapping)):
         return SamplingParams.from_any(params)
+    unsupported = [name for name in _VLLM_ONLY_SAMPLING if getattr(params, name, None) not in (None, [], {}, ())]
+    if unsupported:
+        raise ValueError(f"vLLM sampling parameters {unsupported} are not supported by this engine")
     fields = SamplingParams.__dataclass_fields__
     names = [f for f in fields if f != "max_new_tokens" and f != "min_new_tokens"] + ["max_tokens", "min_tokens"]
     values = {}
     for name in names:
         if hasattr(params, name):
             value = getattr(params, name)
-            if value is not None or name in ("seed", "logprobs"):
+            if value is not None or name in ("seed", "logprobs", "max_tokens"):  # max_tokens None: to the context end
                 values[name] = list(value) if isinstance(value, (set, tuple)) else value
     if not values:
         raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(params).__name__}")

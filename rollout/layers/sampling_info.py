@@ -100,7 +100,7 @@ class SamplingBatchInfo:
         if not rows:
             raise ValueError("SamplingBatchInfo.build needs at least one row")
         ps = [r.params for r in rows]
-        greedy = [p.temperature == 0.0 for p in ps]
+        greedy = [p.greedy for p in ps]
         top_ks = [vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size) for p, g in zip(ps, greedy)]
         top_ps = [1.0 if g else float(p.top_p) for p, g in zip(ps, greedy)]
         min_ps = [0.0 if g else float(p.min_p) for p, g in zip(ps, greedy)]

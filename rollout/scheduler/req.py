@@ -26,8 +26,9 @@ class Req:
         self.rid = msg.rid
         self.prompt_ids = list(msg.input_ids)
         self.sampling: SamplingParams = msg.sampling
-        # the output length that ends the request: max_new_tokens, or the end of the context
-        self.max_output = min(self.sampling.max_new_tokens, context_len - len(self.prompt_ids))
+        # the output length that ends the request: max_new_tokens, or the end of the context (also for None)
+        room = context_len - len(self.prompt_ids)
+        self.max_output = room if self.sampling.max_new_tokens is None else min(self.sampling.max_new_tokens, room)
         self.needs_history = self.sampling.uses_token_history
         self.seed = msg.seed
         self.stream = msg.stream

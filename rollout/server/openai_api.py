@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from rollout.engine_inputs import ChatTemplateOptions
 from rollout.sampling_params import SamplingParams
 from rollout.server.errors import APIError
 from rollout.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAICommon
@@ -79,7 +80,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in body.messages]
     try:
-        prompt = engine.apply_chat_template(messages)
+        prompt = engine.apply_chat_template(messages, ChatTemplateOptions(
+            body.chat_template, body.add_generation_prompt, body.continue_final_message,
+            dict(body.chat_template_kwargs or {})))
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

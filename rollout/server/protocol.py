@@ -101,6 +101,10 @@ class ChatCompletionRequest(OpenAICommon):
     tool_choice: Any = None
     response_format: Any = None
     parallel_tool_calls: bool | None = None
+    chat_template: str | None = None                # vLLM's extra fields: the chat template's options
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 # ---- SGLang native --------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ class GenJob:
         texts = self.texts or [None] * len(ids)
         context, params = engine.context_len, []
         for prompt, p in zip(ids, self.params):
-            if self.to_context:
+            if self.to_context or p.max_new_tokens is None:
                 try:
                     p = p.clone(max_new_tokens=max(context - len(prompt), 0))
                 except ValueError as e:

@@ -94,6 +94,8 @@ ENGINE_BAD = [  # engine options refused before any subprocess starts
     (dict(attention_backend="flashinfer"), "needs a CUDA device"),
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be"),
     (dict(page_size=0), "page_size must be >= 1"),
+    (dict(max_running_requests=0), "max_running_requests must be >= 1"),
+    (dict(context_length=10**6), "longer than the model's max_position_embeddings"),
 ]
 
 # (method, path, JSON body or raw string, status, words in the message)
