@@ -73,6 +73,15 @@ def test_completions_equal_the_python_api(oai, engine, path):
     assert resp.model_extra["weight_version"] == "0"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_request_id_header_is_the_responses_id(http, stream):
+    """vLLM's X-Request-Id: the response's id, also for several prompts (it was the first prompt's sub-id)."""
+    r = http.post("/v1/completions", json={"prompt": ["a b", "c d"], "max_tokens": 2, "stream": stream})
+    assert r.status_code == 200, r.text
+    first = json.loads(r.text.split("data: ", 2)[1].split("\n")[0]) if stream else r.json()
+    assert r.headers["X-Request-Id"] == first["id"] and first["id"].startswith("cmpl-")
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_completion_top_logprobs_hold_the_chosen_token(oai, path, k):
     """OpenAI's legacy logprobs (and vLLM's): the chosen token always comes first in its top_logprobs entry,

@@ -100,13 +100,13 @@ async def _respond(state: ServerState, request: Request, body: OpenAICommon, job
         sj = StreamJob(state, job, await open_stream(state, job))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         resp = sj.response(_events(sj, view, include_usage))
-        resp.headers["X-Request-Id"] = job.rids[0]
+        resp.headers["X-Request-Id"] = view.id  # the response's id, as vLLM (not one prompt's)
         return resp
     try:
         outs = await run_job(state, request, job)
     except ClientGone:
         return Response(status_code=499)
-    return JSONResponse(view.full(outs), headers={"X-Request-Id": job.rids[0]})
+    return JSONResponse(view.full(outs), headers={"X-Request-Id": view.id})
 
 
 async def _events(sj: StreamJob, view: OpenAIView, include_usage: bool) -> AsyncIterator[str]:
