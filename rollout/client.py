@@ -52,6 +52,9 @@ class EngineClient:
     def destroy_process_group(self, group_name: str = "weight_update_group", async_op: bool = False) -> Any:
         return self._in_order("/destroy_weights_update_group", {"group_name": group_name}, async_op, _success)
 
+    init_weights_update_group = init_process_group        # SGLang's names, as the endpoints
+    destroy_weights_update_group = destroy_process_group
+
     def update_weight(self, name: str, dtype: Any, shape: Any, empty_cache: bool = False,
                       async_op: bool = False) -> Any:
         """OpenRLHF's per-tensor update (one broadcast); ``empty_cache=True`` completes the update."""

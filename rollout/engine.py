@@ -217,6 +217,9 @@ class Engine:
         trainer holding the engine in-process passes ``async_op=True`` and then destroys its side."""
         return self._call(DestroyProcessGroupReq(group_name=group_name), async_op)
 
+    init_weights_update_group = init_process_group        # SGLang's Engine names (same arguments, same order)
+    destroy_weights_update_group = destroy_process_group
+
     def update_weight(self, name: str, dtype: Any, shape: Any, empty_cache: bool = False,
                       async_op: bool = False) -> Any:
         """OpenRLHF's per-tensor update: receive one broadcast from rank 0 and load it in place.

@@ -33,6 +33,17 @@ def test_every_handle_has_the_protocol_calls_with_the_same_signatures(impl):
         assert _params(method) == _params(getattr(EngineHandle, name)), f"{impl.__name__}.{name}"
 
 
+@pytest.mark.parametrize("impl", [Engine, EngineClient], ids=lambda c: c.__name__)
+def test_sglangs_group_names_take_its_positional_arguments(impl):
+    """SGLang's ``init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
+    backend)`` and ``destroy_weights_update_group(group_name)`` are the OpenRLHF-named calls."""
+    init = [n for n, _ in _params(impl.init_weights_update_group)]
+    assert init[:6] == ["master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"]
+    assert impl.init_weights_update_group is impl.init_process_group
+    assert [n for n, _ in _params(impl.destroy_weights_update_group)][0] == "group_name"
+    assert impl.destroy_weights_update_group is impl.destroy_process_group
+
+
 def test_every_engine_control_call_reaches_its_scheduler_handler_by_name():
     """grep from an Engine method: its typed request → a handler table (``Scheduler.control_handlers``, with
     ``WeightSync.handlers``, ``MemoryOccupation.handlers`` and ``StepProfiler.handlers``) → the handler's

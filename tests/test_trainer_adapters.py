@@ -178,8 +178,12 @@ def test_send_buckets_consumes_one_bucket_at_a_time(solo_group):
     log.clear()
     sender = WeightSender([RecordingEngine(log)], solo_group, "solo", mode="per_tensor")
     sender.send_buckets(lazy(), 2, weight_version="v10")
+    # the last tensor completes the update under its version in the same call: no auto-bumped version between
     assert log == [("gathered", 0), ("tensor", "a", False), ("tensor", "b", False), ("gathered", 1),
-                   ("tensor", "c", True), ("version", "v10")]
+                   ("bucket", ("c",), True, "v10")]
+    log.clear()
+    sender.send_buckets(lazy(), 2)
+    assert log[-1] == ("tensor", "c", True)
     with pytest.raises(ValueError, match="got 2 buckets, 3 were announced"):
         sender.send_buckets(iter(buckets), 3)
 

@@ -40,3 +40,32 @@ def test_smoke_reports_a_placement_error_before_starting(capsys):
 
     assert main(["--device", "cpu", "--backend", "nccl"]) == 2
     assert "NCCL cannot join a trainer on cpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine, visible, trainer", [("cpu", 0, "cuda:0"), ("cuda", 2, "cuda:2")])
+def test_a_trainer_gpu_the_machine_lacks_is_refused(engine, visible, trainer, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    with pytest.raises(ValueError, match=f"this machine has {visible} CUDA device"):
+        trainer_placement(engine, 1, trainer)
+
+
+@pytest.mark.parametrize("argv, words", [(["--tp-size", "0"], "--tp-size: must be >= 1"),
+                                         (["--num-prompts", "0"], "--num-prompts: must be >= 1"),
+                                         (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
+                                         (["--bucket-mb", "-1"], "--bucket-mb: must be a finite number > 0"),
+                                         (["--lr", "nan"], "--lr: must be a finite number > 0")])
+def test_smoke_refuses_bad_option_values_as_usage_errors(argv, words, capsys):
+    """A bad value is exit 2 with the reason before anything starts (exit 1 means a check failed)."""
+    from weight_sync.smoke import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--device", "cpu", *argv])
+    assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_smoke_reports_a_missing_trainer_gpu_before_starting(capsys, monkeypatch):
+    from weight_sync.smoke import main
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert main(["--device", "cpu", "--trainer-device", "cuda:0"]) == 2
+    assert "this machine has 0 CUDA device(s)" in capsys.readouterr().err

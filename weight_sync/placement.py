@@ -24,9 +24,15 @@ def trainer_placement(engine_device: str, tp_size: int, trainer_device: str | No
                       backend: str | None = None) -> TrainerPlacement:
     """The trainer's device (``trainer_device``, else the GPU after the engine's, else the engine's first GPU,
     else the CPU) and the group's backend (``backend``, else NCCL between different GPUs, gloo otherwise).
-    Raises ``ValueError`` for NCCL with a CPU trainer or with a trainer on one of the engine's GPUs."""
+    Raises ``ValueError`` for NCCL with a CPU trainer or with a trainer on one of the engine's GPUs, and for a
+    trainer GPU this machine does not have."""
     import torch
 
+    if trainer_device is not None:
+        wanted = torch.device(trainer_device)
+        if wanted.type == "cuda" and (wanted.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"--trainer-device {trainer_device}: this machine has {torch.cuda.device_count()} "
+                             "CUDA device(s)")
     engine = torch.device(engine_device)
     if engine.type != "cuda":
         device = trainer_device or "cpu"

@@ -115,16 +115,13 @@ class WeightSender:
             if self.mode == "bucket":
                 pending.extend(self._send_bucket(named, last, weight_version))
             else:
-                results.extend(self._send_tensors(named, last))
+                results.extend(self._send_tensors(named, last, weight_version))
             count += 1
             ntensors += len(named)
             nbytes += sum(t.numel() * t.element_size() for _, t in named)
         if count != num_buckets:
             raise ValueError(f"got {count} buckets, {num_buckets} were announced (the update is incomplete)")
         results.extend(f.result(self.timeout) for f in pending)
-        if self.mode == "per_tensor" and weight_version is not None:
-            for engine in self.engines:
-                engine.update_weight_version(weight_version)
         seconds = time.perf_counter() - start
         return SyncReport(self.mode, ntensors, count, nbytes, seconds, weight_version, results)
 
@@ -140,16 +137,25 @@ class WeightSender:
         dist.broadcast(self._flatten([t for _, t in bucket]), src=0, group=self.group)
         return pending
 
-    def _send_tensors(self, named: list[tuple[str, torch.Tensor]], last: bool) -> list[Any]:
-        """OpenRLHF's pattern, one tensor at a time; ``last`` marks the final tensor as ``empty_cache``."""
+    def _send_tensors(self, named: list[tuple[str, torch.Tensor]], last: bool, version: str | None) -> list[Any]:
+        """OpenRLHF's pattern, one tensor at a time; ``last`` marks the final tensor as ``empty_cache``. With a
+        ``version`` the final tensor goes as a one-tensor SGLang call that completes the update under that
+        version, so no other version is ever visible (``update_weight`` takes none: it would bump first)."""
         results = []
         for i, (name, t) in enumerate(named):
             end = last and i == len(named) - 1
-            futures = [engine.update_weight(name, dtype_name(t.dtype), list(t.shape), empty_cache=end, async_op=True)
-                       for engine in self.engines]
+            futures = [self._announce_tensor(engine, name, t, end, version) for engine in self.engines]
             dist.broadcast(t, src=0, group=self.group)
             results.extend(f.result(self.timeout) for f in futures)
         return results
+
+    def _announce_tensor(self, engine: Any, name: str, t: torch.Tensor, end: bool, version: str | None) -> Any:
+        dtype, shape = dtype_name(t.dtype), list(t.shape)
+        if end and version is not None:
+            return engine.update_weights_from_distributed([name], [dtype], [shape], group_name=self.group_name,
+                                                          flush_cache=True, weight_version=version, load_format=None,
+                                                          async_op=True)
+        return engine.update_weight(name, dtype, shape, empty_cache=end, async_op=True)
 
     def _prepare(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()

@@ -27,21 +27,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rollout-smoke", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF directory (default: SmolLM2-135M-Instruct, converted once)")
-    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--tp-size", type=_at_least(1), default=1)
     p.add_argument("--device", default=None, help="engine device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--backend", default=None, choices=("gloo", "nccl"), help="default: nccl on GPU, gloo on CPU")
     p.add_argument("--mode", default="bucket", choices=MODES)
-    p.add_argument("--bucket-mb", type=float, default=1024.0)
+    p.add_argument("--bucket-mb", type=_positive_float, default=1024.0)
     p.add_argument("--trainer-device", default=None,
                    help="default: the GPU after the engine's; else the engine's first GPU, over gloo (NCCL cannot "
                         "put two ranks on one GPU), with the engine at half the GPU's memory")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--num-prompts", type=_at_least(1), default=8)
+    p.add_argument("--max-new-tokens", type=_at_least(1), default=32)
+    p.add_argument("--lr", type=_positive_float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--logprob-tol", type=float, default=None, help="max |Δlogprob| allowed (default by dtype)")
+    p.add_argument("--logprob-tol", type=_positive_float, default=None,
+                   help="max |Δlogprob| allowed (default by dtype)")
     return p.parse_args(argv)
+
+
+def _at_least(lo: int) -> Any:
+    """An argparse type: an int >= ``lo`` (a bad value is a usage error, exit 2, not a failed smoke run)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
