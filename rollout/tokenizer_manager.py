@@ -136,11 +136,12 @@ class TokenizerManager:
     def _check_ids_free(self, states: list[ReqState]) -> None:
         """ValueError unless every request id of ``states`` and every id of their samples (``rid#i`` for
         n > 1, the scheduler's ids) is new: taken by no live request and by no other of ``states``."""
-        rids, subs = set(self.states), set(self.sub_to_state)
+        rids: set[str] = set()  # this call's, beside the live ones (not copied: O(batch), not O(live))
+        subs: set[str] = set()
         for state in states:
-            if state.rid in rids:
+            if state.rid in rids or state.rid in self.states:
                 raise ValueError(f"duplicate request id {state.rid!r}")
-            clash = next((sub for sub in state.sub_rids() if sub in subs), None)
+            clash = next((sub for sub in state.sub_rids() if sub in subs or sub in self.sub_to_state), None)
             if clash is not None:
                 raise ValueError(f"request id {state.rid!r} clashes with a live request: its sample id {clash!r} "
                                  f"is taken (a request with n > 1 names its samples '<id>#<i>')")
