@@ -8,6 +8,7 @@ import multiprocessing
 import os
 
 import pytest
+import torch
 
 from benchmarks.bench import main
 from benchmarks.engine_run import steady_step
@@ -353,14 +354,21 @@ def test_rl_sync_options_are_checked(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_grpo_distributed_trainer_failure_is_reported_and_the_trainer_ends(tmp_path):
+def test_grpo_distributed_trainer_failure_is_reported_and_the_trainer_ends(tmp_path, monkeypatch):
     """A trainer that cannot start (a CUDA device on a machine without one) fails the bench with its error;
-    its process does not outlive the failure."""
+    its process does not outlive the failure. The placement refuses such a device up front, before anything
+    starts; forced past it, the trainer process itself fails."""
+    import benchmarks.grpo_trainer as grpo_trainer
     from benchmarks.bench import main
+    from weight_sync.placement import TrainerPlacement
 
     argv = ["--preset", "tiny", "--preset-dir", str(tmp_path), "--device", "cpu", "--workload", "grpo",
             "--num-prompts", "1", "--n", "2", "--min-len", "8", "--max-len", "8", "--output-len", "4",
             "--rl-steps", "1", "--rl-sync", "distributed", "--trainer-device", "cuda:0"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match="this machine has 0 CUDA device"):
+        main(argv)
+    monkeypatch.setattr(grpo_trainer, "distributed_placement", lambda *a: TrainerPlacement("cuda:0", "gloo", False))
     with pytest.raises(RuntimeError, match="the GRPO trainer failed"):
         main(argv)
     assert not [p for p in multiprocessing.active_children() if p.name == "grpo-trainer"]
