@@ -10,6 +10,9 @@ from typing import Any, Callable, Mapping
 from rollout.sampling_params import SamplingParams
 
 PromptItem = tuple[Any, Any, SamplingParams, Any]  # (text | None, token ids | None, params, request id | None)
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (they have options of their own)
+_TEMPLATE_ARGUMENTS = frozenset({"chat_template", "tokenize", "add_generation_prompt", "continue_final_message",
+                                 "conversation", "return_dict", "return_tensors"})
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,6 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
                                         continue_final_message=options.continue_final_message,
                                         **options.chat_template_kwargs)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-
-
-_TEMPLATE_ARGUMENTS = frozenset({"chat_template", "tokenize", "add_generation_prompt", "continue_final_message",
-                                 "conversation", "return_dict", "return_tensors"})
 
 
 def check_unicode(text: str, what: str) -> None:

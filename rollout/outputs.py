@@ -24,7 +24,8 @@ class CompletionOutput:
     token's logprob as a plain float. Both are None when logprobs were not requested.
     ``finish_reason`` is "stop", "length" or "abort" (None while running); ``stop_reason`` is the stop
     token id or stop string that ended it (None for EOS, as in vLLM). ``token_weight_versions[i]`` is the
-    weight version that sampled token ``i`` (all equal unless the weights changed while the request ran: ``update_weights_in_flight``).
+    weight version that sampled token ``i`` (all equal unless the weights changed while the request ran:
+    ``update_weights_in_flight``).
     ``routed_experts`` (with ``SamplingParams.return_routed_experts``,
     in the final output; vLLM's and SGLang's shape): int32 ndarray [prompt + completion - 1 -
     routed_experts_start_len, num_hidden_layers, top_k], the experts each token that went through the model

@@ -15,15 +15,12 @@ import random
 
 import pytest
 
-from rollout.detokenize_state import IncrementalDetokenizer
+from rollout.detokenize_state import REPLACEMENT_CHAR, IncrementalDetokenizer
 from rollout.io_struct import GenerateReq, TokenOut
 from rollout.request_state import ReqState, build_output
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler.req import Req
 from tests.test_detokenize_state import _BUILDERS
-
-REPLACEMENT_CHAR = "\ufffd"
-
 
 @pytest.fixture(scope="module")
 def byte_level():

@@ -223,7 +223,8 @@ def test_update_waits_for_in_flight_requests_and_pause_modes(path):
         with tempfile.TemporaryDirectory() as tmp:  # a reload rolls back with its version too (it kept "disk-1")
             model.save_pretrained(tmp)
             engine.update_weights_from_disk(tmp, weight_version="disk-1")
-        assert engine.get_weight_version() == "disk-1" and engine.weights_fingerprint() == weight_sync.fingerprint(model)
+        assert engine.get_weight_version() == "disk-1"
+        assert engine.weights_fingerprint() == weight_sync.fingerprint(model)
         engine.rollback_weights()
         assert engine.weights_fingerprint() == fp0 and engine.get_weight_version() == "v-before-disk"
 

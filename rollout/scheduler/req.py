@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from rollout.detokenize_state import REPLACEMENT_CHAR
 from rollout.io_struct import FinishReason, GenerateReq
 from rollout.sampling_params import SamplingParams
 
-_REPLACEMENT_CHAR = "\ufffd"
 # how many tokens the stop-string window may grow backwards to start at a whole character (a byte-fallback
 # tokenizer decodes a run of <0xNN> tokens as one group, all U+FFFD until it is complete)
 _MAX_WINDOW_WIDENING = 64
@@ -148,12 +148,12 @@ class Req:
         lo = max(n - (self.stop_tail_len + 1), 0)
         tail = tokenizer.decode(self.output_ids[lo:], skip_special_tokens=skip)
         floor = max(lo - _MAX_WINDOW_WIDENING, 0)
-        while tail.startswith(_REPLACEMENT_CHAR) and lo > floor:  # it starts inside a character or inside a
-            lo = max(floor, lo - (n - lo))                        # byte-fallback group: double it
+        while tail.startswith(REPLACEMENT_CHAR) and lo > floor:  # it starts inside a character or inside a
+            lo = max(floor, lo - (n - lo))                       # byte-fallback group: double it
             tail = tokenizer.decode(self.output_ids[lo:], skip_special_tokens=skip)
         start = 0
         if m > lo:  # text of the first m output tokens in the window: no stop string may end within it
-            start = len(tokenizer.decode(self.output_ids[lo:m], skip_special_tokens=skip).rstrip(_REPLACEMENT_CHAR))
+            start = len(tokenizer.decode(self.output_ids[lo:m], skip_special_tokens=skip).rstrip(REPLACEMENT_CHAR))
         for stop in self.sampling.stop:
             if tail.find(stop, max(0, start - len(stop) + 1)) >= 0:
                 return stop
