@@ -104,8 +104,10 @@ class Engine:
                             options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages, options)
 
-    def abort(self, request_id: str) -> None:
-        self.tokenizer_manager.abort(request_id)
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (all its samples) or, by its id ``<request_id>#<i>``, one sample of a request with
+        n > 1; its outputs end with finish reason "abort". False when nothing live has that id."""
+        return self.tokenizer_manager.abort(request_id)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests submitted and not finished yet (vLLM's name; a request of ``n`` samples counts once)."""

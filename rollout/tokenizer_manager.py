@@ -173,13 +173,20 @@ class TokenizerManager:
         may run while this thread holds ``send_lock``."""
         self.to_abort.append(rid)
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str) -> bool:
+        """Abort request ``rid`` (all its samples), or one sample of it by its id ``rid#i``; False when no
+        live request or sample has that id."""
         state = self.states.get(rid)
-        if state is None:
-            return
+        if state is not None:
+            subs = state.sub_rids()
+        elif rid in self.sub_to_state:
+            subs = [rid]
+        else:
+            return False
         with self.send_lock:
-            for sub in state.sub_rids():
+            for sub in subs:
                 self.to_scheduler.send_pyobj(AbortReq(sub))
+        return True
 
     # ---- control ------------------------------------------------------------------------------
 

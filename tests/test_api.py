@@ -109,11 +109,12 @@ def test_abort_a_running_request(engine):
     params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
     stream = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, stream=True, request_id="long")
     first = next(stream)
-    engine.abort("long")
+    assert engine.abort("long") is True
     last = first
     for last in stream:
         pass
     assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert engine.abort("long") is False  # finished: nothing live has that id
     assert engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY, use_tqdm=False)[0].finished
 
 

@@ -304,6 +304,40 @@ def test_abort_request_by_id(server, http):
     assert client.abort("rid-to-abort") is False  # no longer running
 
 
+def test_abort_request_takes_a_multi_prompt_response_id_and_a_sample_id(server, http, path):
+    """A multi-prompt OpenAI request runs one engine request per prompt (``<id>-<i>``): aborting the id the
+    client sees (the response's ``id``, ``X-Request-Id``) aborts them all. A sample of an n > 1 request is
+    aborted alone by its id ``<rid>#<i>`` (the ids ``/generate`` reports)."""
+    long = {"max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    body = {"model": path, "prompt": [[4, 5, 6], [7, 8, 9]], "stream": True, **long}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):])
+        assert r.headers["X-Request-Id"] == first["id"]
+        got = http.post("/abort_request", json={"rid": first["id"]}).json()
+        assert got["success"] is True, got
+        events = sse_events(lines)
+    reasons = {e["choices"][0]["index"]: e["choices"][0]["finish_reason"] for e in events
+               if e["choices"] and e["choices"][0]["finish_reason"]}
+    assert reasons == {0: "abort", 1: "abort"}, reasons
+    assert http.post("/abort_request", json={"rid": first["id"]}).json()["success"] is False  # gone
+
+    client = EngineClient(server.url, api_key=KEY)
+    stream = client.generate_stream(input_ids=[4, 5, 6], rid="two-samples",
+                                    sampling_params={"n": 2, "max_new_tokens": 480, "temperature": 1.0,
+                                                     "ignore_eos": True})
+    ids = next(stream)["meta_info"]["id"]
+    assert client.abort("two-samples#1") is True
+    finals = {}
+    for event in stream:
+        for e in event if isinstance(event, list) else [event]:
+            if e["meta_info"]["finish_reason"] is not None:
+                finals[e["meta_info"]["id"]] = e["meta_info"]
+    assert finals["two-samples#1"]["finish_reason"]["type"] == "abort", (ids, finals)
+    assert finals["two-samples#0"]["finish_reason"]["type"] == "length"
+    assert finals["two-samples#0"]["completion_tokens"] == 480
+
+
 # ---- bad requests -----------------------------------------------------------------------------------
 
 

@@ -171,8 +171,8 @@ async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
         return _ok(f"aborted {_abort_all(state)} request(s)")
     if not body.rid:
         raise APIError(400, "pass a request id ('rid') or abort_all=true")
-    known = body.rid in state.inflight
-    state.engine.abort(body.rid)
+    engine = state.require_engine()
+    known = any([engine.abort(rid) for rid in state.request_ids(body.rid)])  # a list: abort every one
     return {"success": known, "message": f"aborted request {body.rid!r}" if known
             else f"no running request {body.rid!r}"}
 

@@ -61,7 +61,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                      prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
     count = len(texts or ids)
     # null max_tokens: until the context is full
-    job = GenJob(texts, ids, [params] * count, _rids(body, "cmpl-", count), to_context=body.max_tokens is None)
+    rids = _rids(body, "cmpl-", count)
+    job = GenJob(texts, ids, [params] * count, rids, to_context=body.max_tokens is None,
+                 group_id=rids[0].rsplit("-", 1)[0] if count > 1 else None)
     view = OpenAIView(state, body, job, "text_completion", chat=False)
     return await _respond(state, request, body, job, view)
 

@@ -18,7 +18,7 @@ class OpenAIView:
     def __init__(self, state: ServerState, body: OpenAICommon, job: GenJob, obj: str, chat: bool) -> None:
         self.tokenizer = state.engine.tokenizer if state.engine is not None else None
         self.model = state.args.model_name
-        self.id = job.rids[0] if job.size == 1 else job.rids[0].rsplit("-", 1)[0]
+        self.id = job.group_id or job.rids[0]
         self.object = obj
         self.chat = chat
         self.n = body.n

@@ -25,7 +25,8 @@ from rollout.server.streaming import AbortingStreamResponse, ClientGone, cancel_
 class GenJob:
     """One HTTP request as Engine input: text prompts or token-id prompts, with one SamplingParams and
     one request id per prompt. ``to_context``: the client left the output length open (null
-    ``max_tokens``), so each prompt generates until the context is full."""
+    ``max_tokens``), so each prompt generates until the context is full. ``group_id``: the id the client sees
+    for a request of several prompts (an OpenAI response's ``id``), which ``/abort_request`` also takes."""
 
     texts: list[str] | None
     token_ids: list[list[int]] | None
@@ -33,6 +34,7 @@ class GenJob:
     rids: list[str]
     to_context: bool = False
     length_param: str = "max_tokens"
+    group_id: str | None = None
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -91,7 +93,7 @@ async def run_job(state: ServerState, request: Request, job: GenJob) -> list[Req
     """Generate everything; abort if the client disconnects first (then ClientGone)."""
     engine = state.require_engine()
     prompts, params = job.engine_inputs(engine)
-    state.inflight.update(job.rids)
+    state.track(job)
     try:
         outs = await cancel_on_disconnect(request, engine.async_generate(prompts, params, request_id=job.rids))
     except ClientGone:
@@ -100,7 +102,7 @@ async def run_job(state: ServerState, request: Request, job: GenJob) -> list[Req
     except (ValueError, RuntimeError) as e:
         raise from_engine_error(e) from None
     finally:
-        state.inflight.difference_update(job.rids)
+        state.untrack(job)
     for out in outs:
         state.metrics.completion_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
         _record_finished(state, out, job)
@@ -115,7 +117,7 @@ async def open_stream(state: ServerState, job: GenJob) -> AsyncIterator[RequestO
         stream = await engine.async_generate(prompts, params, request_id=job.rids, stream=True)
     except (ValueError, RuntimeError) as e:
         raise from_engine_error(e) from None
-    state.inflight.update(job.rids)
+    state.track(job)
     return stream
 
 
@@ -149,7 +151,7 @@ class StreamJob:
             if engine is not None:
                 for rid in self.job.rids:
                     engine.abort(rid)
-        self.state.inflight.difference_update(self.job.rids)
+        self.state.untrack(self.job)
 
 
 def _record_finished(state: ServerState, out: RequestOutput, job: GenJob) -> None:

@@ -33,6 +33,7 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="engine-call")
         self.inflight: set[str] = set()
+        self.groups: dict[str, list[str]] = {}  # a multi-prompt response's id → its prompts' request ids
         self.sync_started: float | None = None
         self.created = int(time.time())
         self._factory = engine_factory
@@ -104,6 +105,23 @@ class ServerState:
     async def wait(fut: Future) -> Any:
         """Await a ``concurrent.futures.Future`` returned by an ``async_op=True`` Engine call."""
         return await asyncio.wrap_future(fut)
+
+    # ---- in-flight requests (for /abort_request) ---------------------------------------------------
+
+    def track(self, job: Any) -> None:
+        """``job`` (a ``GenJob``) was submitted: its request ids, and its group id if it has one, are live."""
+        self.inflight.update(job.rids)
+        if job.group_id is not None:
+            self.groups[job.group_id] = job.rids
+
+    def untrack(self, job: Any) -> None:
+        self.inflight.difference_update(job.rids)
+        if job.group_id is not None:
+            self.groups.pop(job.group_id, None)
+
+    def request_ids(self, rid: str) -> list[str]:
+        """The engine request ids that ``rid`` names: a multi-prompt response's id names all its prompts'."""
+        return list(self.groups.get(rid, [rid]))
 
     # ---- weight-sync sessions (for /metrics) ----------------------------------------------------
 
