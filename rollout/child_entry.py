@@ -49,6 +49,22 @@ def orphaned() -> bool:
     return parent is not None and os.getppid() != int(parent)
 
 
+def exit_now(code: int) -> None:
+    """End this process with ``code`` once logs and standard streams are flushed, skipping the interpreter's
+    finalization. A scheduler rank calls it when its loop is done: gloo's worker threads outlive
+    ``destroy_process_group`` and may still be releasing a tensor when the interpreter finalizes, which
+    aborts the process ("terminate called without an active exception", SIGABRT) after a clean shutdown."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing more to say
+            pass
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     parent_pid, boot_fd, ready_fd = (int(a) for a in (argv or sys.argv[1:])[:3])
     watch_parent(parent_pid)

@@ -11,6 +11,9 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM")  # sliding_window, when set, applies
+_SWITCHED_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # only with
+# use_sliding_window (off by default)
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")  # auto: flashinfer on CUDA when installed
@@ -78,7 +81,7 @@ class ModelConfig:
         act = raw.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
-        window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        window = _sliding_window(arch, raw)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
         eos_ids = tuple(dict.fromkeys(eos_ids + tuple(extra_eos)))
@@ -132,6 +135,15 @@ def _moe_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
     return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["moe_intermediate_size"],
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)), moe_topk_weights_fp32=False,
                 sparse_layers=tuple(i for i in layers if i not in dense and (i + 1) % step == 0))
+
+
+def _sliding_window(arch: str, raw: dict[str, Any]) -> int | None:
+    """The attention window as transformers applies it: Mistral's and Mixtral's ``sliding_window``; Qwen's only
+    with ``use_sliding_window`` (default False, so a Qwen config carrying a window attends fully); Llama none."""
+    if arch in _WINDOWED_ARCHITECTURES or (arch in _SWITCHED_WINDOW_ARCHITECTURES
+                                           and raw.get("use_sliding_window", False)):
+        return raw.get("sliding_window")
+    return None
 
 
 def _arch_from_model_type(model_type: str) -> str:

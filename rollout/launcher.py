@@ -8,6 +8,7 @@ the same way. Each child watches its parent from its first moments and exits whe
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import subprocess
@@ -19,6 +20,8 @@ from typing import Any, Callable
 
 from rollout.config import EngineConfig
 from rollout.ipc import IPCPaths
+
+logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 900.0
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,6 +93,7 @@ class EngineProcesses:
     procs: list[ChildProcess] = field(default_factory=list)
     context_len: int = 0
     num_slots: int = 0
+    exit_codes: dict[str, int | None] = field(default_factory=dict)  # by ``stop``; None: still running after its timeout
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -99,6 +103,10 @@ class EngineProcesses:
         deadline = time.monotonic() + timeout_s
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
+        self.exit_codes = {p.name: p.exitcode for p in self.procs}
+        failed = {name: code for name, code in self.exit_codes.items() if code not in (0, None)}
+        if failed:
+            logger.warning("engine subprocesses ended abnormally at shutdown (exit codes): %s", failed)
         for p in self.procs:
             p.terminate()
         for p in self.procs:

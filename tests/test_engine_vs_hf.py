@@ -32,3 +32,22 @@ def test_greedy_and_logprobs_match_transformers(arch, tiny_dir, hf_reference):
         assert len(got.token_ids) == 12
         ref = hf.logprobs(prompt, got.token_ids)
         assert max(abs(a - b) for a, b in zip(got.token_logprobs, ref)) < 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("use_sliding_window", [None, True, False])
+def test_sliding_window_as_transformers_reads_the_config(model_type, use_sliding_window):
+    """A config's ``sliding_window`` limits attention where transformers applies it: always for Mistral and
+    Mixtral, for Qwen only with ``use_sliding_window`` (default False), never for Llama (its attention has no
+    window). A Qwen checkpoint that carries a window with the switch absent must keep its full context."""
+    from transformers import CONFIG_MAPPING
+
+    from rollout.config import ModelConfig
+
+    raw = CONFIG_MAPPING[model_type](sliding_window=8, **(
+        {} if use_sliding_window is None else {"use_sliding_window": use_sliding_window})).to_dict()
+    if use_sliding_window is None:
+        raw.pop("use_sliding_window", None)
+    raw["sliding_window"] = 8  # as the checkpoint's config.json has it, whatever transformers normalizes
+    want = None if model_type == "llama" else CONFIG_MAPPING[model_type](**raw).sliding_window
+    assert ModelConfig.from_dict(raw).sliding_window == want

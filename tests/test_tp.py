@@ -22,6 +22,9 @@ def test_tp2_matches_tp1(arch, overrides, tiny_dir, hf_reference, tmp_path):
     with Engine(path, tp_size=1, dtype="float32", device="cpu") as tp1:
         out1 = tp1.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         sampled1 = tp1.generate(prompt_token_ids=prompts, sampling_params=seeded, use_tqdm=False)
+    # every subprocess ended cleanly by itself: no rank aborted at exit (gloo's threads against finalization)
+    for engine in (tp2, tp1):
+        assert engine._procs.exit_codes and set(engine._procs.exit_codes.values()) == {0}, engine._procs.exit_codes
     hf = hf_reference(path)
     for prompt, a, b in zip(prompts, out1, out2):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids == hf.greedy(prompt, 12)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import zmq
 
-from rollout.child_entry import orphaned
+from rollout.child_entry import exit_now, orphaned
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
 from rollout.gc_policy import freeze_heap
@@ -20,6 +20,7 @@ from rollout.logging_utils import configure, dump_stacks_periodically
 from rollout.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+_LINGER_MS = 2000  # at exit, how long ZeroMQ may take to deliver the last messages
 
 
 def _device(config: EngineConfig, rank: int) -> torch.device:
@@ -59,6 +60,16 @@ def run_scheduler_process(config: EngineConfig, paths: IPCPaths, rank: int, read
         return
     finally:
         ready.close()
+    code = 1  # the loop logged and reported its error
+    try:
+        _serve(loop, rank)
+        code = 0
+    finally:
+        ctx.destroy(linger=_LINGER_MS)  # what was sent goes out before the hard exit
+        exit_now(code)
+
+
+def _serve(loop: "SchedulerLoop", rank: int) -> None:
     profile_path = os.environ.get("ROLLOUT_PROFILE_DIR")
     if not profile_path:
         loop.run()
