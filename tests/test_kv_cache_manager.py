@@ -110,6 +110,63 @@ def test_an_update_retires_the_tree_that_running_requests_hold(page):
     assert cache.allocator.available + cache.tree.total_size == SLOTS
 
 
+def _place_mid_chunk(cache: KVCacheManager, req: Req, computed: int) -> None:
+    """A request part-way through a chunked prefill: placed with ``computed`` tokens done and no tree entry
+    of its own yet (its node is the root)."""
+    prefix, node = cache.match(req.fill_ids[:req.prefix_match_len()])
+    cache.lock(node)
+    cache.place(req, prefix, node)
+    assert cache.ensure_free(cache.slots_needed(computed, req.kv_len))
+    cache.extend(req, computed)
+    req.kv_len += computed
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_requests_holding_no_entry_keep_the_retired_tree_until_they_leave(page):
+    """A request placed but holding no tree entry (mid-way through a chunked prefill, or shorter than a page)
+    belongs to the tree as much as one holding entries: it is released after the tree's other requests, and
+    its KV (partly from the old weights) is never shared by the new tree."""
+    cache = _cache(page)
+    held = _req("held", list(range(50, 60)))
+    _prefill(cache, held)
+    short = _req("short", [7, 8, 9])  # under a page at page 4; at page 1 mid-chunk below
+    if page == 4:
+        _prefill(cache, short)
+        assert short.last_node is cache.tree.root
+    else:
+        _place_mid_chunk(cache, short, 2)
+    old = cache.tree
+    cache.invalidate()
+    assert cache.stale_trees == [old] and short.tree is old
+    cache.release(held)
+    assert cache.stale_trees == [old], "the retired tree stays while a request placed on it runs"
+    rest = short.seq_len - short.kv_len  # the chunked prefill completes
+    if rest:
+        assert cache.ensure_free(rest)
+        cache.extend(short, rest)
+        short.kv_len += rest
+    cache.cache_prefix(short)
+    cache.release(short)  # was: ValueError (the retired tree removed twice)
+    assert cache.stale_trees == [] and cache.tree.total_size == 0
+    assert cache.allocator.available == SLOTS and cache.placed == {}
+
+
+def test_an_update_retires_the_tree_while_a_chunked_prefill_runs_even_with_no_entry_locked():
+    cache = _cache()
+    chunked = _req("chunked", list(range(20, 40)))
+    _place_mid_chunk(cache, chunked, 8)
+    old = cache.tree
+    cache.invalidate()  # was: a flush, after which the request's old KV went into the live tree
+    assert cache.tree is not old and chunked.tree is old
+    cache.extend(chunked, 12)
+    chunked.kv_len += 12
+    cache.cache_prefix(chunked)
+    cache.release(chunked)
+    assert cache.tree.total_size == 0, "KV computed partly by the old weights is never shared"
+    assert cache.match(list(range(20, 40)))[0].numel() == 0
+    assert cache.stale_trees == [] and cache.allocator.available == SLOTS
+
+
 def test_an_update_with_no_request_running_frees_the_cache_at_once():
     cache = _cache()
     r = _req("r", list(range(5, 25)))

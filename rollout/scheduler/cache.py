@@ -9,9 +9,11 @@ Contract (page size P, SGLang's ``page_size``):
   freed), frees its last partial page and its row, and unlocks its node: every lock taken is given back
   exactly once.
 - ``invalidate()`` after the weights change: KV computed by the old weights must never be shared again.
-  Unlocked entries are freed at once; when running requests (paused in place) still hold entries, the
-  whole tree is retired instead and a fresh one serves new requests. A retired tree's requests free
-  their KV at release (none of it is shared), and the tree is dropped when its last request leaves.
+  With no request placed, the tree is flushed. Otherwise (requests paused in place or running across the
+  update, including those that hold no entry yet: mid-way through a chunked prefill, or shorter than a
+  page) the whole tree is retired, its unlocked entries freed at once, and a fresh one serves new requests.
+  A retired tree's requests free their KV at release (none of it is shared), and the tree is dropped when
+  the last request placed on it leaves (``placed`` counts them per tree).
 - ``evict`` (through ``ensure_free``) frees least recently used unlocked leaves first.
 - The routing of MoE models (``routed_experts``, when enabled) lives per slot beside the KV, so sharing a
   prefix shares its routing; ``read_routed_experts`` reads a request's before ``release``.
@@ -37,6 +39,7 @@ class KVCacheManager:
         self.disabled = disable_radix_cache
         self.tree = self._new_tree()
         self.stale_trees: list[RadixCache] = []
+        self.placed: dict[RadixCache, int] = {}  # requests placed per tree (the live one and the retired ones)
 
     def _new_tree(self) -> RadixCache:
         return RadixCache(self.allocator.free, disabled=self.disabled, page_size=self.page_size)
@@ -85,6 +88,7 @@ class KVCacheManager:
         self.req_pool.write(req.pool_row, 0, prefix)
         req.kv_len = req.prefix_len = len(prefix)
         req.last_node, req.tree = node, self.tree
+        self.placed[self.tree] = self.placed.get(self.tree, 0) + 1
 
     def extend(self, req: Req, n: int) -> None:
         """Take ``n`` slots (already ensured free) for the request's next ``n`` tokens, written to the host
@@ -144,13 +148,12 @@ class KVCacheManager:
             self.allocator.free(slots[req.prefix_len:])
             req.tree.dec_lock_ref(req.last_node)
             req.tree.evict(req.tree.evictable_size)
-            if req.tree.total_size == 0:
-                self.stale_trees.remove(req.tree)
         else:
             already = self.tree.insert(req.fill_ids[:req.kv_len], slots)
             self.allocator.free(slots[req.prefix_len:already])
             self.allocator.free(slots[req.kv_len - req.kv_len % self.page_size:])  # a last partial page
             self.tree.dec_lock_ref(req.last_node)
+        self._leave(req.tree)
         self.req_pool.free(req.pool_row)
         req.pool_row, req.kv_len, req.prefix_len, req.last_node, req.tree = None, 0, 0, None, None
 
@@ -158,9 +161,17 @@ class KVCacheManager:
         """Drop every cached entry; False (nothing changed) while running requests hold entries."""
         return self.tree.flush()
 
+    def _leave(self, tree: RadixCache) -> None:
+        """A request placed on ``tree`` is released; a retired tree goes with its last one."""
+        self.placed[tree] -= 1
+        if self.placed[tree] == 0:
+            del self.placed[tree]
+            if tree is not self.tree:
+                self.stale_trees.remove(tree)
+
     def invalidate(self) -> None:
         """The weights changed: no KV computed before may be shared from now on (see the module contract)."""
-        if self.tree.flush():
+        if self.tree not in self.placed and self.tree.flush():
             return
         stale = self.tree
         stale.evict(stale.evictable_size)
