@@ -204,3 +204,28 @@ def test_pause_in_place_across_an_update_keeps_running_requests_and_drops_their_
     assert again.cached_tokens == 0, "a request after the update reuses no KV of the old weights"
     assert sched.cache.stale_trees == [] and not sched.running
     assert sched.cache.allocator.available + sched.cache.tree.total_size == sched.cache.num_slots
+
+
+def test_a_chunked_prefill_holding_kv_is_retracted_before_a_running_request_that_fits_is_aborted(
+        tiny_dir, hf_reference):
+    """A running request that fits the pool on its own must not be aborted for want of a slot that a request
+    part-way through its chunked prefill holds: that request is retracted (and re-prefilled later) instead."""
+    path = tiny_dir("llama")
+    config = EngineConfig(path, dtype="float32", device="cpu", skip_tokenizer_init=True, max_total_tokens=64,
+                          chunked_prefill_size=8, max_prefill_tokens=8)
+    sched = Scheduler(config, ModelConfig.from_path(path), TPGroup(), torch.device("cpu"))
+    sched.reply = lambda reply: None
+    short, long = prompts_of_lengths([4, 60], seed=3)
+    sched.handle(GenerateReq("R", short, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), 0))
+    running = sched.outputs.live["R"]
+    for _ in range(4):
+        sched.step()
+    sched.handle(GenerateReq("C", long, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), 0))
+    chunked = sched.outputs.live["C"]
+    while sched.busy:
+        sched.step()
+    assert running.finished.type == "length", running.finished  # was: abort, "does not fit in the KV cache"
+    assert chunked.finished.type == "length" and sched.stats.retractions >= 1
+    hf = hf_reference(path)
+    assert running.output_ids == hf.greedy(short, 40) and chunked.output_ids == hf.greedy(long, 3)
+    assert sched.cache.used == 0 and sched.cache.allocator.available + sched.cache.tree.total_size == 64

@@ -56,16 +56,21 @@ class DecodeManager:
         return (self.cache.ensure_free(self.cache.decode_slots_needed(reqs))
                 and not any(r.inflight_tokens and r.needs_history for r in reqs))
 
-    def make_room(self, running: list[Req], waiting: deque[Req]) -> list[Req]:
+    def make_room(self, running: list[Req], waiting: deque[Req],
+                  retract_chunked: Callable[[], bool] = lambda: False) -> list[Req]:
         """Retract requests until the rest fit ``RETRACT_DECODE_STEPS`` steps (one without an admission
         estimate: the retracted requests would be admitted again at once) when they do not fit one;
-        returns the step's requests (nothing may be in flight: retraction releases KV)."""
+        returns the step's requests (nothing may be in flight: retraction releases KV). The request part-way
+        through a chunked prefill, the newest, goes first (``retract_chunked``: False when there is none), so
+        that only a request that does not fit the pool on its own is aborted."""
         reqs = self.candidates(running)
         if self.cache.ensure_free(self.cache.decode_slots_needed(reqs)):
             self.ratio.after_decode()
             return reqs
         retracted, before = 0, self.ratio.value
         steps = RETRACT_DECODE_STEPS if self.ratio.careful else 1
+        if not self.cache.can_hold(steps * self.cache.decode_slots_needed(reqs)) and retract_chunked():
+            retracted += 1
         while len(running) > 1 and not self.cache.can_hold(steps * self.cache.decode_slots_needed(reqs)):
             self.retract(running.pop(), waiting)
             retracted += 1

@@ -286,10 +286,19 @@ class Scheduler:
         """Launch one decode step over the running requests (after the step in flight, if any)."""
         if self.in_flight is not None and not self.decode.can_overlap(self.decode.candidates(self.running)):
             self.sync()
-        reqs = self.decode.make_room(self.running, self.waiting)
+        reqs = self.decode.make_room(self.running, self.waiting, self._retract_chunked)
         if not reqs:
             return None
         return self.launch(reqs, self.decode.build_step(reqs), reqs)
+
+    def _retract_chunked(self) -> bool:
+        """Retract the request part-way through a chunked prefill (its KV back, requeued first); False if none."""
+        req = self.prefill.chunked
+        if req is None:
+            return False
+        self.prefill.drop(req)
+        self.decode.retract(req, self.waiting)
+        return True
 
     def _extend_in_flight(self) -> bool:
         return self.in_flight is not None and self.in_flight.inputs.mode == ForwardMode.EXTEND
