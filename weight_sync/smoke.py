@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rollout import Engine
+    from rollout.config import ModelConfig
     from rollout.default_model import ensure_default_model
     from weight_sync.placement import trainer_placement
     from weight_sync.remote import serve_engine
@@ -86,13 +87,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model = args.model or ensure_default_model()
     backend, trainer_device = place.backend, place.device
+    moe = ModelConfig.from_path(model).is_moe  # compare with the engine's routing replayed (docs/moe.md)
     cfg = SmokeConfig(model, args.mode, args.bucket_mb, args.dtype, trainer_device, backend, free_port(),
-                      args.tp_size, args.num_prompts, args.max_new_tokens, args.lr, args.seed)
+                      args.tp_size, args.num_prompts, args.max_new_tokens, args.lr, args.seed, replay_routing=moe)
     ctx = mp.get_context("spawn")
     started = time.perf_counter()
     # a trainer on the engine's GPU needs room for its model, gradients and optimizer state
     memory = {"mem_fraction_static": SHARED_GPU_MEM_FRACTION} if place.shares_engine_gpu else {}
-    with Engine(model, tp_size=args.tp_size, dtype=args.dtype, device=device, **memory) as engine:
+    with Engine(model, tp_size=args.tp_size, dtype=args.dtype, device=device, enable_return_routed_experts=moe,
+                **memory) as engine:
         mine, theirs = ctx.Pipe()
         serve_engine(engine, mine)
         results = ctx.Queue()
@@ -142,7 +145,8 @@ def _print_report(args: argparse.Namespace, arch: str, device: str, backend: str
          f"{r['greedy_equal']}/{r['greedy_total']} prompts identical; every engine token is transformers' "
          f"argmax within {r['greedy_max_gap']:.1e} (a divergence only at a near-tie below tol passes)"),
         ("logprob parity", after["max"] <= tol,
-         f"max |Δ| {after['max']:.2e}, mean {after['mean']:.2e} over {after['tokens']} tokens (tol {tol:g})"),
+         f"max |Δ| {after['max']:.2e}, mean {after['mean']:.2e} over {after['tokens']} tokens (tol {tol:g})"
+         + _routing_note(after)),
         ("weight version", r["version_after"] != r["version_before"] and r["output_versions"] == [r["version_after"]],
          f"{r['version_before']} -> {r['version_after']}; outputs carry {r['output_versions']}"),
     ]
@@ -152,6 +156,14 @@ def _print_report(args: argparse.Namespace, arch: str, device: str, backend: str
     passed = all(ok for _, ok, _ in checks)
     print(f"{'OK: all checks passed' if passed else 'FAILED'} ({r['total_seconds']:.1f} s)")
     return 0 if passed else 1
+
+
+def _routing_note(parity: dict[str, Any]) -> str:
+    """For a mixture-of-experts model: the comparison replayed the engine's routing; how often it differed."""
+    if not parity.get("routing_rows"):
+        return ""
+    return (f"; engine's routing replayed: {parity['routing_differ']} of {parity['routing_rows']} (token, layer) "
+            "expert choices differ from transformers' own (router near-ties)")
 
 
 if __name__ == "__main__":

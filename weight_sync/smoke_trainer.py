@@ -35,12 +35,18 @@ class SmokeConfig:
     max_new_tokens: int
     lr: float
     seed: int
+    replay_routing: bool = False  # a mixture-of-experts model: compare with the engine's routing replayed
 
 
 def _parity(model: Any, outs: list[Any]) -> dict[str, float]:
+    """The engine's logprobs against transformers' (teacher-forced; with the engine's routing replayed where
+    the outputs carry it, counting the router choices that differ)."""
+    counts: dict[str, int] = {}
     deltas = [abs(a - b) for o in outs for c in o.outputs
-              for a, b in zip(c.token_logprobs, hf_logprobs(model, o.prompt_token_ids, c.token_ids))]
-    return {"max": max(deltas), "mean": statistics.fmean(deltas), "tokens": len(deltas)}
+              for a, b in zip(c.token_logprobs, hf_logprobs(model, o.prompt_token_ids, c.token_ids,
+                                                            c.routed_experts, counts))]
+    return {"max": max(deltas), "mean": statistics.fmean(deltas), "tokens": len(deltas),
+            "routing_rows": counts.get("rows", 0), "routing_differ": counts.get("differ", 0)}
 
 
 def _train_step(model: Any, outs: list[Any], lr: float, device: str) -> float:
@@ -89,7 +95,8 @@ def _run(cfg: SmokeConfig, conn: Any) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
     model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32).to(cfg.trainer_device).eval()
     chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(cfg.num_prompts)]
-    sample = SamplingParams(temperature=1.0, n=2, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, logprobs=0)
+    sample = SamplingParams(temperature=1.0, n=2, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, logprobs=0,
+                            return_routed_experts=cfg.replay_routing)
     report: dict[str, Any] = {"version_before": engine.get_weight_version()}
 
     t0 = time.perf_counter()
@@ -107,14 +114,14 @@ def _run(cfg: SmokeConfig, conn: Any) -> dict[str, Any]:
     report["fp_trainer"], report["fp_engine"] = fp_after, engine.weights_fingerprint()
 
     served = _served(model, dtype)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, return_routed_experts=cfg.replay_routing)
     outs = engine.chat(chats, greedy, use_tqdm=False)
     eos = tok.eos_token_id
     report["greedy_total"] = len(outs)
     report["greedy_equal"] = sum(o.outputs[0].token_ids == hf_greedy(served, o.prompt_token_ids, cfg.max_new_tokens, eos)
                                  for o in outs)
-    report["greedy_max_gap"] = max(max(greedy_gaps(served, o.prompt_token_ids, o.outputs[0].token_ids), default=0.0)
-                                   for o in outs)
+    report["greedy_max_gap"] = max(max(greedy_gaps(served, o.prompt_token_ids, o.outputs[0].token_ids,
+                                                   o.outputs[0].routed_experts), default=0.0) for o in outs)
     rollout2 = engine.chat(chats, sample, use_tqdm=False)
     report["parity_after"] = _parity(served, rollout2)
     report["version_after"] = engine.get_weight_version()
