@@ -196,3 +196,99 @@ def test_moe_engine_actor_syncs_from_fsdp2_and_returns_routed_experts(cluster, t
         assert out.outputs[0].routed_experts.shape == (len(CHECK_PROMPTS[1]) + 4 - 1, 2, 2)
     finally:
         ray.get(engine.shutdown.remote(), timeout=60)
+
+
+def test_push_while_paused_is_not_held_up_by_a_generate_the_pause_holds(engines, path):
+    """On Ray: pause_generation, a rollout worker's generate arrives (held by the pause), then OpenRLHF's
+    per-tensor push. The generate runs in its own concurrency group, so the update calls do not queue behind
+    it (the trainer's broadcast would time out); after the resume it runs on the new weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import weight_sync
+
+    engine = engines[0]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    named = [(n, p.detach() * 1.01) for n, p in model.named_parameters()]
+    port = free_port()
+    join = engine.init_process_group.remote("127.0.0.1", port, 1, 2, "paused-ray", backend="gloo", timeout=30)
+    group = weight_sync.init_process_group("127.0.0.1", port, 0, 2, "paused-ray", backend="gloo", timeout=30)
+    ray.get(join, timeout=60)
+    try:
+        assert ray.get(engine.pause_generation.remote())
+        held = engine.generate.remote([CHECK_PROMPTS[0]], {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True})
+        deadline = time.monotonic() + 60
+        while ray.get(engine.get_num_unfinished_requests.remote()) < 1:
+            assert time.monotonic() < deadline, "the generate call never reached the engine"
+            time.sleep(0.05)
+        for i, (name, p) in enumerate(named):
+            ref = engine.update_weight.remote(name, dtype=p.dtype, shape=p.shape, empty_cache=i == len(named) - 1)
+            torch.distributed.broadcast(p, 0, group=group)
+            ray.get(ref, timeout=60)
+        assert ray.wait([held], timeout=0)[1] == [held], "the pause held the request"
+        version = ray.get(engine.get_weight_version.remote())
+    finally:
+        try:
+            ray.get(engine.resume_generation.remote())
+            ray.get(engine.destroy_process_group.remote("paused-ray"), timeout=60)
+        finally:
+            weight_sync.destroy_process_group(group)
+    assert ray.get(held, timeout=60)[0].weight_version == version
+    assert ray.get(engine.weights_fingerprint.remote()) == weight_sync.fingerprint(named)
+
+
+def test_push_colocated_into_an_engine_actor(engines, path):
+    """``push_colocated(model, [actor])`` through Ray: the actor's ``update_weights_from_tensor`` loads each
+    bucket (the tensors travel by Ray's serialization) and the last one completes the update."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import weight_sync
+    from trainer_adapters import push_colocated
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.99)
+    report = push_colocated(model, [engines[1]], bucket_bytes=64 << 10, weight_version="colocated-ray")
+    assert report["buckets"] > 1
+    assert ray.get(engines[1].weights_fingerprint.remote()) == weight_sync.fingerprint(list(model.named_parameters()))
+    assert ray.get(engines[1].get_weight_version.remote()) == "colocated-ray"
+
+
+def _live_placement_groups() -> set:
+    from ray.util import placement_group_table
+
+    return {pg_id for pg_id, info in placement_group_table().items() if info["state"] != "REMOVED"}
+
+
+def test_a_failed_create_engines_leaves_nothing_behind(cluster, path):
+    """Engines that die at start (an unknown option): the actors are killed and the placement group made for
+    them is removed, so a retry gets the resources (it waited forever before). A placement group that cannot
+    be placed is a TimeoutError naming the cause, and is removed too. The retry uses OpenRLHF's positional
+    order, with ``vllm_enable_sleep``: the engine comes up asleep, as OpenRLHF's do."""
+    from trainer_adapters import create_engines
+
+    before = _live_placement_groups()
+    with pytest.raises(ray.exceptions.RayActorError):
+        create_engines(2, 1, path, 0, dtype="float32", not_an_option=1)
+    deadline = time.monotonic() + 30
+    while _live_placement_groups() - before:
+        assert time.monotonic() < deadline, "the failed call left its placement group behind"
+        time.sleep(0.1)
+    with pytest.raises(TimeoutError, match="was not ready after 1 s"):
+        create_engines(1, 1, path, 0, num_cpus_per_engine=64, placement_timeout=1)
+    deadline = time.monotonic() + 30
+    while _live_placement_groups() - before:
+        assert time.monotonic() < deadline, "the placement group that timed out was left behind"
+        time.sleep(0.1)
+    (engine,) = create_engines(1, 1, path, 0, False, True, True, 256, None, None, True, dtype="float32",
+                               placement_timeout=60)
+    try:
+        assert ray.get(engine.is_sleeping.remote())
+        ray.get(engine.wake_up.remote())
+        out = ray.get(engine.generate.remote([CHECK_PROMPTS[0]], {"max_tokens": 3, "ignore_eos": True}), timeout=60)
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        ray.get(engine.shutdown.remote(), timeout=60)
+        ray.kill(engine)

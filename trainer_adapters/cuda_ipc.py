@@ -44,7 +44,12 @@ def push_cuda_ipc(model: Any, engines: Sequence[Any] | None, *, dtype: torch.dty
                   backend: str = "auto", src_rank: int = 0, timeout: float | None = None) -> dict[str, Any] | None:
     """Push every parameter to colocated engines by CUDA IPC, one ``update_weight_cuda_ipc`` call per
     tensor (the last one completes the update). Call on every trainer rank; returns {tensors, bytes,
-    seconds} on ``src_rank``, None elsewhere. Each rank's copy lives on its current CUDA device."""
+    seconds} on ``src_rank``, None elsewhere. Each rank's copy lives on its current CUDA device.
+
+    When an engine refuses a tensor, ``src_rank`` waits for its calls in flight, stops sending and still runs
+    every remaining gather, handle all-gather and barrier (the other ranks' collectives stay matched, so they
+    finish their push instead of hanging), then raises the first error; the engine, left with a partial
+    update, refuses requests until a complete one lands."""
     import time
 
     from trainer_adapters.handles import as_engine
@@ -56,25 +61,47 @@ def push_cuda_ipc(model: Any, engines: Sequence[Any] | None, *, dtype: torch.dty
     if rank == src_rank and not handles:
         raise ValueError("the sending rank needs the engines")
     plan = source.plan("per_tensor", 0, dtype)
-    start, nbytes = time.perf_counter(), 0
-    device = torch.device("cuda", torch.cuda.current_device())
+    start, nbytes, error = time.perf_counter(), 0, None
+    device = _cuda_device()
     for k, bucket in enumerate(source.gathered(plan)):
         (name, full), = bucket
         weight = full.to(device=device, dtype=dtype or full.dtype).clone()
-        shared = ipc_handles(weight)
-        if rank == src_rank:
-            futures = [e.update_weight_cuda_ipc(name, weight.dtype, list(weight.shape), shared,
-                                                empty_cache=k == len(plan) - 1, async_op=True) for e in handles]
-            for f in futures:
-                f.result(timeout)
-            nbytes += weight.numel() * weight.element_size()
+        shared = ipc_handles(weight)  # an all-gather: every rank, every tensor, failed or not
+        if rank == src_rank and error is None:
+            try:
+                _send_ipc(handles, name, weight, shared, k == len(plan) - 1, timeout)
+                nbytes += weight.numel() * weight.element_size()
+            except Exception as e:  # noqa: BLE001 - raised once every rank's collectives are done
+                error = e
         if dist.is_initialized():
             dist.barrier()  # the other ranks keep their copies alive until the engines have loaded them
         torch.cuda.synchronize()
         del weight, shared
+    if error is not None:
+        raise error
     if rank != src_rank:
         return None
     return {"tensors": len(plan), "bytes": nbytes, "seconds": time.perf_counter() - start}
+
+
+def _cuda_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _send_ipc(handles: list[Any], name: str, weight: torch.Tensor, shared: dict[str, Any], last: bool,
+              timeout: float | None) -> None:
+    """One tensor to every engine; after a failure, the other engines' calls are awaited before it is raised
+    (they read ``weight``, which the caller frees next)."""
+    futures: list[Any] = []
+    try:
+        for e in handles:
+            futures.append(e.update_weight_cuda_ipc(name, weight.dtype, list(weight.shape), shared,
+                                                    empty_cache=last, async_op=True))
+        for f in futures:
+            f.result(timeout)
+    except BaseException:
+        _settle(futures, timeout)
+        raise
 
 
 def _settle(futures: list[Any], timeout: float | None) -> None:

@@ -5,6 +5,11 @@ copy-in / all-gather / copy-out, without its per-module grouping); parameters sh
 fall back to ``DTensor.full_tensor()``, one collective each. Every trainer rank runs the same gathers in
 the same order (``broadcast_to_engines`` arranges that); only the sending rank sends. FSDP2 keeps the
 module's own parameter names, so no renaming beyond the usual wrappers is needed.
+
+An unsharded FSDP2 module (``reshard_after_forward=False`` after a forward, or ``unshard()``) exposes its
+all-gathered compute copies as its parameters: in ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``
+those are bf16 copies, not the fp32 weights the optimizer updates. The source reshards every module first
+(local, no collective), as FSDP2's ``state_dict()`` does, so the sharded fp32 parameters are what is sent.
 """
 
 from __future__ import annotations
@@ -55,6 +60,10 @@ class FSDP2Source(ParamSource):
     kind = "fsdp2"
     owns_buckets = True  # each bucket stays valid for one more step of the iteration (two buffer sets)
 
+    def __init__(self, model: Any) -> None:
+        reshard(model)
+        super().__init__(model)
+
     def full_shape(self, p: torch.Tensor) -> torch.Size:
         return p.shape  # a DTensor reports its global shape
 
@@ -72,6 +81,16 @@ class FSDP2Source(ParamSource):
             full = dict(zip(map(id, rows), gather_rows(rows, slots[k % 2]))) if rows else {}
             yield [(self.params[i][0], full[id(p)] if id(p) in full else self.full_tensor(p))
                    for i, p in zip(bucket, params)]
+
+
+def reshard(model: Any) -> None:
+    """``reshard()`` every FSDP2 module of ``model``: its parameters are the sharded (master) ones again,
+    whatever a forward with ``reshard_after_forward=False`` or an ``unshard()`` left. Local to this rank."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _row_sharded(p: Any, first: Any) -> bool:

@@ -7,7 +7,8 @@ an engine to ``weight_sync.WeightSender``, whose calls take ``async_op=True`` an
 - ``LocalActor(obj)`` gives an actor object in this process Ray's calling convention without Ray:
   ``local.update_weight.remote(...)`` runs the call on one worker thread in submission order (like a
   Ray actor's default concurrency group) and returns a Future; ``get(refs)`` waits like ``ray.get``.
-  Control calls (``EngineActor.CONTROL_METHODS``) run on a second pool, as on Ray.
+  Request-serving calls (``EngineActor.GENERATE_METHODS``) and control calls (``EngineActor.CONTROL_METHODS``)
+  run on pools of their own, as in the actor's concurrency groups on Ray.
 """
 
 from __future__ import annotations
@@ -68,26 +69,32 @@ class _Method:
 
 
 class LocalActor:
-    """Ray's ``actor.method.remote(...)`` for an object in this process (no Ray needed)."""
+    """Ray's ``actor.method.remote(...)`` for an object in this process (no Ray needed): calls run on one
+    ordered worker thread, except ``generate_methods`` and ``control_methods`` (default: the object's
+    ``GENERATE_METHODS`` / ``CONTROL_METHODS``), which run on pools of their own."""
 
-    def __init__(self, obj: Any, control_methods: Iterable[str] | None = None) -> None:
+    def __init__(self, obj: Any, control_methods: Iterable[str] | None = None,
+                 generate_methods: Iterable[str] | None = None, generate_concurrency: int = 8) -> None:
         self._obj = obj
         self._ordered = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actor")
         self._control = ThreadPoolExecutor(max_workers=4, thread_name_prefix="actor-control")
+        self._generate = ThreadPoolExecutor(max_workers=generate_concurrency, thread_name_prefix="actor-generate")
         if control_methods is None:
             control_methods = getattr(obj, "CONTROL_METHODS", ())
-        self._control_methods = frozenset(control_methods)
+        if generate_methods is None:
+            generate_methods = getattr(obj, "GENERATE_METHODS", ())
+        self._pools = {**{m: self._generate for m in generate_methods}, **{m: self._control for m in control_methods}}
 
     def __getattr__(self, method: str) -> _Method:
         if method.startswith("_"):
             raise AttributeError(method)
         fn = getattr(self._obj, method)
-        return _Method(self._control if method in self._control_methods else self._ordered, fn)
+        return _Method(self._pools.get(method, self._ordered), fn)
 
     def stop_threads(self) -> None:
         """Stop the worker threads (after the calls already submitted); the object itself stays."""
-        self._ordered.shutdown(wait=True)
-        self._control.shutdown(wait=True)
+        for pool in (self._ordered, self._control, self._generate):
+            pool.shutdown(wait=True)
 
 
 def get(refs: Any, timeout: float | None = None) -> Any:

@@ -15,9 +15,11 @@ so that call pattern works unchanged::
 
 The class is plain Python (Ray is imported only by ``placement.create_engines``, which wraps it with
 ``ray.remote``), so it can also be used directly, or through ``handles.LocalActor`` without Ray.
-On Ray, calls run one at a time in submission order (weight-update announcements must stay in order),
-except ``CONTROL_METHODS``, which run in their own concurrency group so that they answer while a
-``generate`` is in progress.
+On Ray, weight-update and other calls run one at a time in submission order (weight-update announcements
+must stay in order); ``GENERATE_METHODS`` (``generate``, ``chat``) run in a concurrency group of their own,
+so a rollout worker's ``generate`` (held while generation is paused) never holds up a weight update, and
+``CONTROL_METHODS`` run in a third group, so that they answer while a ``generate`` or an update is in
+progress.
 """
 
 from __future__ import annotations
@@ -41,17 +43,24 @@ _VLLM_OPTIONS = {
 _VLLM_IGNORED = frozenset({"trust_remote_code", "distributed_executor_backend", "worker_cls",
                            "worker_extension_cls", "bundle_indices", "num_gpus",
                            "full_determinism", "num_actors", "enable_chunked_prefill", "swap_space",
-                           "disable_log_stats", "max_logprobs", "logprobs_mode"})
+                           "disable_log_stats", "max_logprobs"})
+# vLLM engine arguments where None means "the default" (OpenRLHF passes gpu_memory_utilization=None)
+_VLLM_NONE_IS_DEFAULT = frozenset(_VLLM_OPTIONS) | {"enable_prefix_caching", "enforce_eager"}
+# vLLM's engine-level logprobs_mode → our per-request SamplingParams.logprobs_mode
+_VLLM_LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed", "raw": "raw",
+                        "processed": "processed"}
 
 
 def engine_options(model: str | None = None, **kwargs: Any) -> dict[str, Any]:
     """``Engine`` keyword arguments from our own names or vLLM's (``tensor_parallel_size``,
-    ``gpu_memory_utilization``, ``max_model_len``, ``enable_prefix_caching``, ``enforce_eager``, ...)."""
+    ``gpu_memory_utilization``, ``max_model_len``, ``enable_prefix_caching``, ``enforce_eager``, ...). A vLLM
+    argument given as None keeps the engine's default. vLLM's ``logprobs_mode`` is not an engine option here
+    (it is per request: ``SamplingParams.logprobs_mode``; ``EngineActor`` turns it into the requests' default)."""
     out: dict[str, Any] = {}
     if model is not None:
         out["model_path"] = str(model)
     for key, value in kwargs.items():
-        if key in _VLLM_IGNORED:
+        if key in _VLLM_IGNORED or (value is None and key in _VLLM_NONE_IS_DEFAULT):
             continue
         if key == "enable_prefix_caching":
             out["disable_radix_cache"] = not value
@@ -69,9 +78,27 @@ _VLLM_ONLY_SAMPLING = ("allowed_token_ids", "logit_bias", "bad_words", "truncate
                        "structured_outputs", "logits_processors")
 
 
-def to_sampling_params(params: Any) -> SamplingParams:
+def logprobs_mode_default(mode: str | None) -> str | None:
+    """Our per-request ``logprobs_mode`` ("raw" / "processed") for vLLM's engine-level one
+    ("raw_logprobs" / "processed_logprobs"; ours are accepted as they are). vLLM's logits modes are a
+    ValueError: the engine returns logprobs only."""
+    if mode is None:
+        return None
+    if mode in _VLLM_LOGPROBS_MODES:
+        return _VLLM_LOGPROBS_MODES[mode]
+    if mode in ("raw_logits", "processed_logits"):
+        raise ValueError(f"logprobs_mode={mode!r} (logits instead of logprobs) is not supported: this engine "
+                         "returns logprobs; use 'raw_logprobs' or 'processed_logprobs'")
+    raise ValueError(f"unknown logprobs_mode {mode!r}: use 'raw_logprobs' or 'processed_logprobs'")
+
+
+def to_sampling_params(params: Any, logprobs_mode: str | None = None) -> SamplingParams:
     """Our ``SamplingParams``, a dict of vLLM/SGLang field names, or a vLLM ``SamplingParams`` object
-    (its fields that we share are copied; a vLLM-only field set away from its default is a ValueError)."""
+    (its fields that we share are copied; a vLLM-only field set away from its default is a ValueError).
+    ``logprobs_mode`` ("raw" / "processed") is the default for a dict, a vLLM object or None that names no
+    mode of its own; our ``SamplingParams`` always names one and is used as it is."""
+    if logprobs_mode is not None and not isinstance(params, SamplingParams):
+        params = _with_logprobs_mode(params, logprobs_mode)
     if params is None or isinstance(params, (SamplingParams, Mapping)):
         return SamplingParams.from_any(params)
     unsupported = [name for name in _VLLM_ONLY_SAMPLING if getattr(params, name, None) not in (None, [], {}, ())]
@@ -92,24 +119,43 @@ def to_sampling_params(params: Any) -> SamplingParams:
     return SamplingParams(**values)
 
 
+def _with_logprobs_mode(params: Any, mode: str) -> Any:
+    """``params`` (None, a dict or a vLLM object) with ``logprobs_mode=mode`` unless it names one itself."""
+    if params is None:
+        return {"logprobs_mode": mode}
+    if isinstance(params, Mapping):
+        return params if params.get("logprobs_mode") is not None else {**params, "logprobs_mode": mode}
+    if getattr(params, "logprobs_mode", None) is not None:
+        return params
+    sampling = to_sampling_params(params)
+    return sampling.clone(logprobs_mode=mode)
+
+
 class EngineActor:
     """Wraps one ``rollout.Engine``; the methods are OpenRLHF's ``LLMRayActor`` / ``WorkerWrap`` ones.
 
     ``EngineActor(model, seed=0, tensor_parallel_size=1, dtype="auto", device=None, **options)``;
     options are ``Engine`` options or vLLM engine arguments (see ``engine_options``).
     ``weight_sync_timeout`` (seconds) bounds the weight-update group's rendezvous and transfers.
+    ``logprobs_mode`` (vLLM's engine argument: "raw_logprobs", the default, or "processed_logprobs", which
+    OpenRLHF passes for its importance-sampling correction) is the default of every request that does not
+    name a ``logprobs_mode`` of its own.
     """
 
     CONTROL_METHODS = ("pause_generation", "resume_generation", "continue_generation",
                        "get_num_unfinished_requests", "get_weight_version", "get_weight_state", "ready",
                        "is_sleeping")
+    # request-serving calls: they may wait a long time (a paused engine holds them), so they run apart from
+    # the ordered weight-update calls
+    GENERATE_METHODS = ("generate", "chat")
 
     def __init__(self, model: str | None = None, *args: Any, weight_sync_timeout: float | None = None,
-                 **kwargs: Any) -> None:
+                 logprobs_mode: str | None = None, **kwargs: Any) -> None:
         from rollout import Engine
 
         if args:
             raise ValueError("EngineActor takes the model path and keyword arguments only")
+        self.logprobs_mode = logprobs_mode_default(logprobs_mode)
         options = engine_options(model, **kwargs)
         path = options.pop("model_path", None)
         if not path:
@@ -125,22 +171,24 @@ class EngineActor:
 
     # ---- generation (vLLM-shaped outputs) -----------------------------------------------------
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]] | None = None, sampling_params: Any = None,
-                 prompts: Any = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """vLLM's ``LLM.generate``: outputs in prompt order with ``.outputs[i].token_ids``, ``.text``,
+    def generate(self, prompts: Any = None, sampling_params: Any = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = False
+                 ) -> list[RequestOutput]:
+        """vLLM's ``LLM.generate``: ``prompts`` (first, as in vLLM) are strings, token-id lists or vLLM
+        ``TokensPrompt`` dicts (``{"prompt_token_ids": [...]}``); the older ``prompt_token_ids=`` keyword
+        is accepted too. Outputs in prompt order with ``.outputs[i].token_ids``, ``.text``,
         ``.logprobs[i][token_id].logprob``, ``.finish_reason``. ``sampling_params`` may be one or a
         list (one per prompt), each our ``SamplingParams``, a dict of vLLM names or a vLLM object."""
-        if isinstance(sampling_params, (list, tuple)):
-            sampling = [to_sampling_params(p) for p in sampling_params]
-        else:
-            sampling = to_sampling_params(sampling_params)
-        if prompt_token_ids is not None and prompts is None:
-            return self.engine.generate(prompt_token_ids=prompt_token_ids, sampling_params=sampling,
-                                        use_tqdm=use_tqdm)
-        return self.engine.generate(prompts, sampling, prompt_token_ids=prompt_token_ids, use_tqdm=use_tqdm)
+        return self.engine.generate(prompts, self._sampling(sampling_params), prompt_token_ids=prompt_token_ids,
+                                    use_tqdm=use_tqdm)
 
     def chat(self, messages: Any, sampling_params: Any = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        return self.engine.chat(messages, to_sampling_params(sampling_params), use_tqdm=use_tqdm)
+        return self.engine.chat(messages, self._sampling(sampling_params), use_tqdm=use_tqdm)
+
+    def _sampling(self, params: Any) -> SamplingParams | list[SamplingParams]:
+        if isinstance(params, (list, tuple)):
+            return [to_sampling_params(p, self.logprobs_mode) for p in params]
+        return to_sampling_params(params, self.logprobs_mode)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests submitted to this engine and not finished yet (vLLM's name)."""
@@ -151,9 +199,11 @@ class EngineActor:
     def init_process_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                            group_name: str, backend: str = "nccl", use_ray: bool = False,
                            timeout: float | None = None) -> bool:
-        """Join the trainer's weight-update group: TP rank r joins as ``rank_offset + r`` (trainer = 0).
+        """Join the trainer's weight-update group: TP rank r joins as ``rank_offset + r`` (trainer = 0, so
+        ``rank_offset >= 1`` and ``rank_offset + tensor_parallel_size <= world_size``, else ValueError).
         Blocks until every member has joined. ``use_ray=True`` (ray.util.collective) is not supported;
         ``timeout`` defaults to the actor's ``weight_sync_timeout``."""
+        _check_ranks(rank_offset, world_size, self.engine.config.tp_size)
         if use_ray:
             raise ValueError("use_ray=True (a ray.util.collective group) is not supported: the engine joins a "
                              "torch.distributed group; call init_process_group with use_ray=False")
@@ -183,6 +233,15 @@ class EngineActor:
                              "the trainer rank holding the weight must share the engine's GPU")
         return self.engine.update_weight_cuda_ipc(name, dtype, list(shape), ipc_handles[uuid],
                                                   empty_cache=empty_cache)
+
+    def update_weights_from_tensor(self, named_tensors: Any, weight_version: str | None = None,
+                                   flush_cache: bool = True, check_finite: bool = False) -> Any:
+        """``Engine.update_weights_from_tensor`` (SGLang's colocated call, what ``push_colocated`` sends):
+        load (name, tensor) pairs; ``flush_cache=True`` completes the update. Through Ray the tensors are
+        serialized into this actor's process, then shared with the engine (CUDA IPC on GPU, shared memory on
+        CPU); through ``LocalActor`` they are shared as they are."""
+        return self.engine.update_weights_from_tensor(named_tensors, weight_version=weight_version,
+                                                      flush_cache=flush_cache, check_finite=check_finite)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
@@ -274,3 +333,14 @@ class EngineActor:
             index = torch.device(self.device).index or 0
             self._gpu_uuid = str(torch.cuda.get_device_properties(index).uuid)
         return self._gpu_uuid
+
+
+def _check_ranks(rank_offset: int, world_size: int, tp_size: int) -> None:
+    """The engine's TP ranks ``rank_offset .. rank_offset + tp_size - 1`` must fit a group whose rank 0 is
+    the trainer."""
+    if rank_offset < 1:
+        raise ValueError(f"rank_offset must be >= 1 (the trainer is rank 0 of the weight-update group; engine i "
+                         f"of TP size t joins as i * t + 1), got {rank_offset}")
+    if rank_offset + tp_size > world_size:
+        raise ValueError(f"world_size {world_size} is too small: this engine's {tp_size} TP rank(s) join as ranks "
+                         f"{rank_offset}..{rank_offset + tp_size - 1} of a group whose rank 0 is the trainer")
