@@ -11,6 +11,8 @@ from rollout.io_struct import PromptLogprobsOut, TokenOut
 from rollout.outputs import CompletionOutput, Logprob, RequestOutput
 from rollout.sampling_params import SamplingParams
 
+TokenText = Callable[[int], str] | None  # token id → its text alone (None: no tokenizer, no texts)
+
 
 @dataclass
 class SeqState:
@@ -81,20 +83,20 @@ class ReqState:
                     self.error, self.error_type = out.finished.message, out.finished.error_type
 
 
-def build_output(state: ReqState, tokenizer: Any, delta: bool = False) -> RequestOutput:
+def build_output(state: ReqState, token_text: TokenText, delta: bool = False) -> RequestOutput:
     """A vLLM-shaped RequestOutput of everything so far (or, with ``delta``, what is new)."""
     with state.lock:
-        outputs = [_completion(state, i, seq, delta, tokenizer) for i, seq in enumerate(state.seqs)]
+        outputs = [_completion(state, i, seq, delta, token_text) for i, seq in enumerate(state.seqs)]
         prompt_lps = None
         if state.prompt_logprobs is not None and not (delta and state.prompt_logprobs_sent):
-            prompt_lps = _prompt_logprob_dicts(state.prompt_ids, state.prompt_logprobs, tokenizer)
+            prompt_lps = _prompt_logprob_dicts(state.prompt_ids, state.prompt_logprobs, token_text)
             state.prompt_logprobs_sent = delta
         return RequestOutput(request_id=state.rid, prompt=state.prompt, prompt_token_ids=state.prompt_ids,
                              outputs=outputs, finished=state.finished, weight_version=state.weight_version,
                              num_cached_tokens=state.cached_tokens, error=state.error,
                              prompt_logprobs=prompt_lps)
 
-def _completion(state: ReqState, index: int, seq: SeqState, delta: bool, tokenizer: Any) -> CompletionOutput:
+def _completion(state: ReqState, index: int, seq: SeqState, delta: bool, token_text: TokenText) -> CompletionOutput:
     t0, c0 = (seq.sent_tokens, seq.sent_text) if delta else (0, 0)
     if delta:
         seq.sent_tokens, seq.sent_text = len(seq.token_ids), len(seq.text)
@@ -104,32 +106,33 @@ def _completion(state: ReqState, index: int, seq: SeqState, delta: bool, tokeniz
         index=index, text=seq.text[c0:], token_ids=seq.token_ids[t0:],
         token_weight_versions=seq.token_weight_versions[t0:],
         cumulative_logprob=sum(seq.logprobs) if want else None,
-        logprobs=_logprob_dicts(seq, t0, tokenizer) if want else None, token_logprobs=lps,
+        logprobs=_logprob_dicts(seq, t0, token_text) if want else None, token_logprobs=lps,
         finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, routed_experts=seq.routed_experts)
 
-def _logprob_dicts(seq: SeqState, start: int, tokenizer: Any) -> list[dict[int, Logprob]]:
+def _logprob_dicts(seq: SeqState, start: int, token_text: TokenText) -> list[dict[int, Logprob]]:
     ids = seq.token_ids[start:len(seq.logprobs)]
     return [_logprob_entry(tok, seq.logprobs[j], seq.ranks[j] if j < len(seq.ranks) else None,
-                           seq.top_logprobs[j] if j < len(seq.top_logprobs) else None, tokenizer)
+                           seq.top_logprobs[j] if j < len(seq.top_logprobs) else None, token_text)
             for j, tok in enumerate(ids, start)]
 
-def _prompt_logprob_dicts(prompt_ids: list[int], plp: PromptLogprobsOut, tokenizer: Any
+def _prompt_logprob_dicts(prompt_ids: list[int], plp: PromptLogprobsOut, token_text: TokenText
                       ) -> list[dict[int, Logprob] | None]:
     """vLLM's ``prompt_logprobs``: one entry per prompt token, None where none was computed (the first token,
     and those up to ``logprob_start_len``)."""
     out: list[dict[int, Logprob] | None] = [None] * len(prompt_ids)
     for j, lp in enumerate(plp.token_logprobs):
         pos = plp.first + j
-        out[pos] = _logprob_entry(prompt_ids[pos], lp, plp.ranks[j], plp.top[j] if plp.top else None, tokenizer)
+        out[pos] = _logprob_entry(prompt_ids[pos], lp, plp.ranks[j], plp.top[j] if plp.top else None, token_text)
     return out
 
 def _logprob_entry(token: int, logprob: float, rank: int | None, top: list[tuple[int, float]] | None,
-               tokenizer: Any) -> dict[int, Logprob]:
-    """{token: its Logprob, then each top-k alternative not already there}, with decoded tokens."""
+               token_text: TokenText) -> dict[int, Logprob]:
+    """{token: its Logprob, then each top-k alternative not already there}, each with its text
+    (``token_text``: vLLM's ``decoded_token``, the token decoded alone)."""
     entry = {token: Logprob(logprob, rank)}
     for alt_rank, (alt, lp) in enumerate(top or [], 1):
         entry.setdefault(alt, Logprob(lp, alt_rank))
-    if tokenizer is not None:
+    if token_text is not None:
         for tok, value in entry.items():
-            value.decoded_token = tokenizer.convert_ids_to_tokens(tok)
+            value.decoded_token = token_text(tok)
     return entry

@@ -41,6 +41,7 @@ class TokenizerManager:
         self.config = config
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
+        self.token_texts: dict[int, str] = {}  # token_text's decodes, by id
         self.context_len = context_len
         self.is_alive = is_alive
         self.ctx = zmq.Context()
@@ -280,7 +281,15 @@ class TokenizerManager:
 
     def build_output(self, state: ReqState, delta: bool = False) -> RequestOutput:
         """A vLLM-shaped RequestOutput of everything so far (or, with ``delta``, what is new)."""
-        return build_output(state, self.tokenizer, delta)
+        return build_output(state, self.token_text if self.tokenizer is not None else None, delta)
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text decoded alone, as vLLM's ``Logprob.decoded_token`` (``tokenizer.decode([id])``, "" for
+        an id past the tokenizer's vocabulary); each id is decoded once."""
+        text = self.token_texts.get(token_id)
+        if text is None:
+            text = self.token_texts[token_id] = self.tokenizer.decode([token_id]) or ""
+        return text
 
     # ---- shutdown -----------------------------------------------------------------------------
 

@@ -32,6 +32,8 @@ def test_text_prompts_and_output_shape(engine, path, hf_reference):
         for tok, lp, entry in zip(c.token_ids, c.token_logprobs, c.logprobs):
             assert entry[tok].logprob == lp and 1 <= len(entry) <= 3
             assert all(v.logprob <= max(x.logprob for x in entry.values()) for v in entry.values())
+            for tid, v in entry.items():  # vLLM's decoded_token: the token's text alone, not its vocabulary piece
+                assert v.decoded_token == engine.tokenizer.decode([tid]), (tid, v.decoded_token)
         assert c.cumulative_logprob == pytest.approx(sum(c.token_logprobs))
         assert out.weight_version == "0"
 
