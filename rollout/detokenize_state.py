@@ -14,6 +14,8 @@ from typing import Any, Sequence
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens that seed the decode window (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
 SEED_PROMPT_TOKENS = 5
+# How far back a seed may widen to start at a whole character: the prompt ids the scheduler sends (DecodeSpec)
+SEED_LOOKBACK_TOKENS = 5 * SEED_PROMPT_TOKENS
 
 
 @dataclass
@@ -141,7 +143,7 @@ class IncrementalDetokenizer:
         if not prompt_token_ids:
             return []
         ids = [int(t) for t in prompt_token_ids]
-        lowest = max(0, len(ids) - 5 * SEED_PROMPT_TOKENS)
+        lowest = max(0, len(ids) - SEED_LOOKBACK_TOKENS)
         if self._decode(ids[lowest:]).endswith(REPLACEMENT_CHAR):
             return []  # the prompt ends inside a character
         start = max(0, len(ids) - SEED_PROMPT_TOKENS)

@@ -218,6 +218,30 @@ def test_prompt_seed_keeps_first_leading_space(name):
         assert seeded.text.startswith(" ") and seeded.text == " " + unseeded.text
 
 
+@pytest.mark.parametrize("name", ["sentencepiece_llama", "sentencepiece_metaspace"])
+def test_the_prompt_tail_the_scheduler_sends_seeds_past_a_run_of_byte_tokens(name):
+    """A prompt ending in characters spelled by byte-fallback tokens (two 4-byte characters: 8 byte tokens):
+    the seed widens back to a whole character, which needs more of the prompt than its last few ids. The
+    prompt ids the scheduler sends (``OutputManager.token_out``) keep the output's leading space."""
+    from rollout.io_struct import GenerateReq
+    from rollout.sampling_params import SamplingParams
+    from rollout.scheduler.output import OutputManager
+    from rollout.scheduler.req import Req
+
+    tok = _BUILDERS[name]()
+    prompt = tok.encode("the sky is blue \U0001d11e\U0001d11e", add_special_tokens=False)
+    assert sum(t.startswith("<0x") for t in tok.convert_ids_to_tokens(prompt)[-8:]) == 8
+    words = tok.encode("Hello there friend", add_special_tokens=False)
+    cut = max(k for k, t in enumerate(tok.convert_ids_to_tokens(words)) if k > 0 and t.startswith("▁"))
+    output = words[cut:]  # starts with "▁word": a word with its leading space
+    req = Req(GenerateReq("r", prompt, SamplingParams(max_tokens=4), seed=0), (2,), context_len=128)
+    req.output_ids = list(output)
+    tail = OutputManager.token_out(req, "0").spec.prompt_tail
+    det, deltas = _stream(tok, output, prompt_ids=tail)
+    want = _reference(tok, prompt + output)[len(_reference(tok, prompt)):]  # vLLM's text
+    assert want.startswith(" ") and "".join(deltas) == det.text == want
+
+
 def test_decode_window_stays_small(byte_level):
     seen = []
 
