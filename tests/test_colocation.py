@@ -137,6 +137,17 @@ def test_a_release_waits_for_running_requests_and_refuses_paused_ones(sleepy):
     assert not sleepy.is_sleeping()
     sleepy.continue_generation()
     assert list(stream)[-1].outputs[0].finish_reason == "length"
+    # retracted by a pause, the request is accepted and waits to resume: a release would fail it, so it is refused
+    stream = sleepy.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=long, stream=True)
+    chunks = [next(stream)]
+    sleepy.pause_generation(mode="retract")
+    with pytest.raises(ValueError, match="held by pause_generation"):
+        sleepy.sleep(level=1)
+    assert not sleepy.is_sleeping()
+    sleepy.continue_generation()
+    chunks += list(stream)
+    assert chunks[-1].outputs[0].finish_reason == "length"
+    assert sum(len(c.outputs[0].token_ids) for c in chunks) == 60
 
 
 def test_without_the_memory_saver_the_calls_say_how_to_enable_it(engine):

@@ -3,9 +3,10 @@ release and resume it (SGLang's ``release_memory_occupation`` / ``resume_memory_
 ``sleep`` / ``wake_up`` map onto them in ``Engine``).
 
 Contract:
-- Release and resume run when no request is in flight (``ExclusiveReq``); running requests (paused in
-  place) or an open weight-update session make a release a ValueError, as does releasing a released tag or
-  resuming one that is not released.
+- Release and resume run when no request is in flight (``ExclusiveReq``); requests still to finish (paused
+  in place and holding KV, or held by a pause: retracted, or sent while paused) or an open weight-update
+  session make a release a ValueError (SGLang releases only an idle engine), as does releasing a released
+  tag or resuming one that is not released.
 - While anything is released, new requests fail at once with ``refusal()`` (the engine sleeps); the prefix
   cache is dropped with the KV cache.
 - Released weights come back with their contents only when they were kept (``keep_weights``, vLLM's sleep
@@ -27,12 +28,13 @@ from rollout.weights.updater import WeightUpdater
 
 class MemoryOccupation:
     def __init__(self, runner: ModelRunner, cache: KVCacheManager, updater: WeightUpdater,
-                 running: Callable[[], int]) -> None:
-        """``running()``: how many requests still hold KV (paused in place) when a release runs."""
+                 held: Callable[[], tuple[int, int]]) -> None:
+        """``held()``: (requests still holding KV: paused in place, requests waiting: held by a pause) when a
+        release runs."""
         self.runner = runner
         self.cache = cache
         self.updater = updater
-        self.running = running
+        self.held = held
         self.released: dict[str, bool] = {}  # tag → its contents were kept
 
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
@@ -43,13 +45,16 @@ class MemoryOccupation:
     def release(self, req: ReleaseMemoryOccupationReq) -> dict[str, Any]:
         """Release ``req.tags`` (all by default)."""
         tags = _check_tags(req.tags)
-        running = self.running()
+        running, waiting = self.held()
         already = [t for t in tags if t in self.released]
         if already:
             raise ValueError(f"memory already released: {already} (the engine is asleep; wake_up() first)")
         if running:
             raise ValueError(f"{running} requests are paused in place and hold KV: abort them or let them "
                              "finish before releasing memory")
+        if waiting:  # a release would fail them: they were accepted
+            raise ValueError(f"{waiting} requests are held by pause_generation (retracted, or sent while paused): "
+                             "continue_generation() and let them finish, or abort them, before releasing memory")
         if "weights" in tags and self.updater.state == "updating":
             raise ValueError("a weight update is in progress: complete it before releasing the weights")
         for tag in sorted(tags, key=TAGS.index):
