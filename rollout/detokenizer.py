@@ -41,7 +41,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, IncrementalDetokenizer] = {}
+        self.states: dict[str, IncrementalDetokenizer | None] = {}  # None: detokenize off
 
     def serve(self, recv: zmq.Socket, send: zmq.Socket) -> None:
         while True:
@@ -54,15 +54,12 @@ class Detokenizer:
             send.send_pyobj(msg)
 
     def render(self, out: TokenOut) -> None:
-        state = self.states.get(out.rid)
-        if state is None:
-            spec = out.spec
-            state = IncrementalDetokenizer(self.tokenizer, spec.skip_special_tokens,
-                                           spec.spaces_between_special_tokens, spec.stop,
-                                           spec.include_stop_str_in_output, spec.prompt_tail, spec.min_new_tokens)
-            self.states[out.rid] = state
+        """Set ``out.text``: the request's next text delta ("" for a request with ``detokenize`` off)."""
         finished = out.finished is not None
-        matched = out.finished.matched if finished else None
-        out.text = state.step(out.token_ids, finished, matched)
-        if finished:
-            del self.states[out.rid]
+        if out.spec is not None:  # a request's first message
+            spec = out.spec
+            self.states[out.rid] = IncrementalDetokenizer(
+                self.tokenizer, spec.skip_special_tokens, spec.spaces_between_special_tokens, spec.stop,
+                spec.include_stop_str_in_output, spec.prompt_tail, spec.min_new_tokens) if spec.detokenize else None
+        state = self.states.pop(out.rid) if finished else self.states[out.rid]
+        out.text = state.step(out.token_ids, finished, out.finished.matched if finished else None) if state else ""

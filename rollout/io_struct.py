@@ -262,6 +262,7 @@ class DecodeSpec:
     include_stop_str_in_output: bool
     prompt_tail: list[int]
     min_new_tokens: int = 0
+    detokenize: bool = True  # False: no text at all (the detokenizer passes the ids through)
 
 
 @dataclass

@@ -39,6 +39,8 @@ class SamplingParams:
     ``enable_return_routed_experts``) returns, in ``CompletionOutput.routed_experts``, the experts every
     token that went through the model was routed to: int32 [prompt + completion - 1 - routed_experts_start_len,
     num_hidden_layers, top_k], from position ``routed_experts_start_len`` (0 to the prompt length) on.
+    ``detokenize=False`` (vLLM's) leaves the text empty and ``Logprob.decoded_token`` None (token ids only: no
+    detokenizer work for the request); stop strings need the text, so they are a ValueError with it.
     """
 
     max_new_tokens: int | None = 128
@@ -64,6 +66,7 @@ class SamplingParams:
     logprob_start_len: int = 0
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    detokenize: bool = True
 
     def __init__(self, **kwargs: Any) -> None:
         names = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -150,9 +153,11 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         _check_int(self, "routed_experts_start_len", lo=0)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-                     "spaces_between_special_tokens", "return_routed_experts"):
+                     "spaces_between_special_tokens", "return_routed_experts", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:  # vLLM's check
+            raise ValueError("stop strings are only supported when detokenize is True")
 
     def clone(self, **changes: Any) -> "SamplingParams":
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -281,7 +281,8 @@ class TokenizerManager:
 
     def build_output(self, state: ReqState, delta: bool = False) -> RequestOutput:
         """A vLLM-shaped RequestOutput of everything so far (or, with ``delta``, what is new)."""
-        return build_output(state, self.token_text if self.tokenizer is not None else None, delta)
+        texts = self.tokenizer is not None and state.params.detokenize
+        return build_output(state, self.token_text if texts else None, delta)
 
     def token_text(self, token_id: int) -> str:
         """A token's text decoded alone, as vLLM's ``Logprob.decoded_token`` (``tokenizer.decode([id])``, "" for

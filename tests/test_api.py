@@ -38,6 +38,23 @@ def test_text_prompts_and_output_shape(engine, path, hf_reference):
         assert out.weight_version == "0"
 
 
+def test_detokenize_off_gives_token_ids_without_text(engine):
+    """vLLM's ``detokenize=False``: the same tokens, no text, no decoded logprob tokens; stop strings need the
+    text, so they are refused with it (vLLM's check)."""
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=1)
+    plain, bare = (engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=p, use_tqdm=False)[0].outputs[0]
+                   for p in (params, params.clone(detokenize=False)))
+    assert bare.token_ids == plain.token_ids and bare.token_logprobs == pytest.approx(plain.token_logprobs, abs=1e-5)
+    assert plain.text and bare.text == ""
+    assert all(v.decoded_token is None for entry in bare.logprobs for v in entry.values())
+    chunks = list(engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params.clone(detokenize=False),
+                                  stream=True))
+    assert [t for c in chunks for t in c.outputs[0].token_ids] == plain.token_ids
+    assert all(c.outputs[0].text == "" for c in chunks)
+    with pytest.raises(ValueError, match="stop strings are only supported when detokenize is True"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
 def test_chat_uses_the_template(engine):
     messages = [{"role": "user", "content": "the sky is"}]
     ids = engine.apply_chat_template(messages)

@@ -45,7 +45,8 @@ class OutputManager:
         spec = prompt_lps = None
         if start == 0:
             spec = DecodeSpec(p.skip_special_tokens, p.spaces_between_special_tokens, p.stop,
-                              p.include_stop_str_in_output, req.prompt_ids[-SEED_LOOKBACK_TOKENS:], p.min_new_tokens)
+                              p.include_stop_str_in_output, req.prompt_ids[-SEED_LOOKBACK_TOKENS:], p.min_new_tokens,
+                              p.detokenize)
             if req.prompt_lp_k is not None:
                 prompt_lps = PromptLogprobsOut(req.prompt_lp_first, req.prompt_lps, req.prompt_lp_ranks,
                                                req.prompt_lp_top if req.prompt_lp_k else None)
