@@ -14,8 +14,9 @@ def rope_inv_freq(model_raw_config: dict[str, Any], rope: dict[str, Any], head_d
     if rope_type == "default":
         base = float(rope["rope_theta"])
         return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)), 1.0
-    if rope_type == "dynamic":
-        raise ValueError("rope_type 'dynamic' depends on the sequence length and is not supported")
+    if "dynamic" in rope_type or rope_type == "longrope":  # transformers recomputes these by sequence length
+        raise ValueError(f"rope_type {rope_type!r} depends on the sequence length (transformers recomputes its "
+                         "frequencies per forward) and is not supported")
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -24,6 +25,9 @@ def rope_inv_freq(model_raw_config: dict[str, Any], rope: dict[str, Any], head_d
     raw = {k: v for k, v in model_raw_config.items() if k not in ("architectures", "transformers_version")}
     hf_config = AutoConfig.for_model(**raw)
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    if 2 * inv_freq.numel() != head_dim:  # e.g. a partial rotary factor, which these rope types do not apply here
+        raise ValueError(f"rope_type {rope_type!r} gives {inv_freq.numel()} frequencies for a head of {head_dim}: "
+                         "a partial rotary factor with this rope type is not supported")
     return inv_freq.float(), float(scaling)
 
 

@@ -15,21 +15,54 @@ from rollout.models.llama import LlamaForCausalLM
 from rollout.weights.weight_map import HFWeightMap
 
 
-def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor of the checkpoint (sharded index or single/multiple files)."""
+def iter_safetensors(model_path: str, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of the checkpoint (see ``_safetensors_files``) but ``skip``."""
     from safetensors import safe_open
 
     for path in _safetensors_files(model_path):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if name not in skip:
+                    yield name, f.get_tensor(name)
+
+
+def tied_head_skip(model_path: str, names: Any, cfg: ModelConfig) -> frozenset[str]:
+    """The checkpoint names to leave out of a load: with tied embeddings, a ``lm_head.weight`` stored beside the
+    embedding is the same parameter, so it is left out when equal to it, and a ValueError when it differs
+    (transformers then unties the two; an engine serving them tied cannot)."""
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if not cfg.tie_word_embeddings or head not in names or embed not in names:
+        return frozenset()
+    values = dict(iter_named(model_path, (head, embed)))
+    if not torch.equal(values[head], values[embed]):
+        raise ValueError(f"checkpoint {model_path!r} has tie_word_embeddings=true but a lm_head.weight that differs "
+                         "from model.embed_tokens.weight (transformers unties them): set tie_word_embeddings to "
+                         "false in its config.json, or save the tied weights")
+    return frozenset({head})
+
+
+def iter_named(model_path: str, wanted: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for the checkpoint's tensors named in ``wanted`` only."""
+    from safetensors import safe_open
+
+    for path in _safetensors_files(model_path):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in wanted:
+                    yield name, f.get_tensor(name)
 
 
 def _safetensors_files(model_path: str) -> list[str]:
+    """The checkpoint's weight files in transformers' order of preference: ``model.safetensors``, else the
+    files ``model.safetensors.index.json`` names, else every ``*.safetensors`` (a tensor in two of them is
+    refused by ``read_safetensors_shapes``)."""
     if not os.path.isdir(model_path):
         raise ValueError(f"model path {model_path!r} is not a directory")
+    single = os.path.join(model_path, "model.safetensors")
     index = os.path.join(model_path, "model.safetensors.index.json")
-    if os.path.isfile(index):
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
         files = [os.path.join(model_path, name) for name in files]
@@ -44,10 +77,14 @@ def read_safetensors_shapes(model_path: str) -> dict[str, tuple[str, tuple[int, 
     """{name: (dtype name, shape)} from the checkpoint's safetensors headers, without reading data."""
     from safetensors import safe_open
 
-    out = {}
+    out, where = {}, {}
     for path in _safetensors_files(model_path):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
+                if name in where:
+                    raise ValueError(f"tensor {name!r} is in two weight files of {model_path!r}: "
+                                     f"{os.path.basename(where[name])} and {os.path.basename(path)}")
+                where[name] = path
                 meta = f.get_slice(name)
                 out[name] = (_SAFETENSORS_DTYPES.get(meta.get_dtype(), meta.get_dtype()), tuple(meta.get_shape()))
     return out
@@ -81,7 +118,8 @@ def build_model(cfg: ModelConfig, model_path: str | None, max_positions: int, tp
     if load_format == "dummy":
         init_dummy_weights(weight_map, seed)
     elif model_path is not None:
-        load_weights(weight_map, iter_safetensors(model_path))
+        names = read_safetensors_shapes(model_path)  # headers: a tensor in two files is refused here
+        load_weights(weight_map, iter_safetensors(model_path, tied_head_skip(model_path, names, cfg)))
     return model, weight_map
 
 

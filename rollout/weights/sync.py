@@ -134,12 +134,14 @@ class WeightSync:
 
     def update_weights_from_disk(self, req: UpdateWeightsFromDiskReq) -> dict[str, Any]:
         """Reload every parameter from a checkpoint directory (checked against its headers first)."""
-        from rollout.models.loader import iter_safetensors, read_safetensors_shapes
+        from rollout.models.loader import iter_safetensors, read_safetensors_shapes, tied_head_skip
 
         start = time.perf_counter()
-        shapes = read_safetensors_shapes(req.model_path)
         wm = self.updater.weight_map
-        names = [n for n in shapes if not wm.is_ignored(n)]
+        _check_same_model(req.model_path, wm.cfg)
+        shapes = read_safetensors_shapes(req.model_path)
+        skip = tied_head_skip(req.model_path, shapes, wm.cfg)
+        names = [n for n in shapes if not wm.is_ignored(n) and n not in skip]
         problems = self._problems(parse_specs(names, [shapes[n][0] for n in names],
                                               [list(shapes[n][1]) for n in names]))
         missing = sorted(set(wm.shapes) - {c for n in names for c in wm.covered(n)})
@@ -151,7 +153,7 @@ class WeightSync:
             self.version_before_session = self.weight_version  # what rollback_weights restores
         nbytes = 0
         try:
-            for name, tensor in iter_safetensors(req.model_path):
+            for name, tensor in iter_safetensors(req.model_path, skip):
                 if not wm.is_ignored(name):
                     self.updater.load([(name, tensor)])
                     nbytes += tensor.numel() * tensor.element_size()
@@ -302,3 +304,26 @@ class WeightSync:
 
 def _next_version(version: str) -> str:
     return str(int(version) + 1) if version.isdigit() else f"{version}+1"
+
+
+# ModelConfig fields a checkpoint of the same model may change: its storage dtype, its stop tokens
+_RELOAD_MAY_CHANGE = ("torch_dtype", "eos_token_ids")
+
+
+def _check_same_model(model_path: str, running: Any) -> None:
+    """ValueError when ``model_path``'s config.json (if it has one) describes another model than ``running``
+    (a ``ModelConfig``): its weights would load by name and shape and compute something else."""
+    import dataclasses
+    import os
+
+    from rollout.config import ModelConfig
+
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        return
+    new = ModelConfig.from_path(model_path)
+    differ = [f.name for f in dataclasses.fields(ModelConfig)
+              if f.compare and f.name not in _RELOAD_MAY_CHANGE and getattr(new, f.name) != getattr(running, f.name)]
+    if differ:
+        detail = ", ".join(f"{n}: {getattr(running, n)!r} -> {getattr(new, n)!r}" for n in differ[:4])
+        raise ValueError(f"checkpoint {model_path!r} is a different model than the one served ({detail}); "
+                         "update_weights_from_disk reloads weights only: start an engine on it instead")
