@@ -25,6 +25,28 @@ WORLD_SIZES = {"module": 1, "accelerate": 2, "fsdp2": 2, "deepspeed": 2}
 
 
 
+def fsdp2_linear_stack(rank: int, port: int, layers: int, timeout_s: float) -> Any:
+    """Rank ``rank`` of a 2-rank gloo group at 127.0.0.1:``port`` (a mismatched collective fails after
+    ``timeout_s`` instead of hanging): ``layers`` seeded ``nn.Linear(16, 16)``, each and the whole stack
+    ``fully_shard``-ed (FSDP2). The caller destroys the process group."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=timeout_s))
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 class TrainerRank:
     """Rank ``rank`` of a ``world_size``-rank trainer using ``backend``; the default process group (gloo)
     rendezvouses at 127.0.0.1:``master_port``."""

@@ -435,24 +435,13 @@ def test_a_call_refused_mid_session_keeps_the_engine_from_closing_it(hf_model, e
 
 def _push_failing_rank(rank: int, port: int, result_path: str) -> None:
     """One FSDP2 rank of two: rank 0's engine refuses the second bucket, rank 1 has no engine."""
-    from datetime import timedelta
-
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
+    from adapter_trainer import fsdp2_linear_stack
     from trainer_adapters import push_colocated
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))  # a mismatched collective fails instead of hanging
     try:
-        mesh = init_device_mesh("cpu", (2,))
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = fsdp2_linear_stack(rank, port, layers=4, timeout_s=60)
         log: list = []
 
         class Refusing:
@@ -474,7 +463,7 @@ def _push_failing_rank(rank: int, port: int, result_path: str) -> None:
         after = torch.tensor([rank + 1.0])
         dist.all_reduce(after)
         torch.save({"error": error, "calls": len(log), "after": after.item()}, f"{result_path}.{rank}")
-        del mesh, model
+        del model
     finally:
         dist.destroy_process_group()
         gc.collect()

@@ -214,9 +214,8 @@ def _push_cuda_ipc_rank(rank: int, port: int, result_path: str) -> None:
     ones (``ipc_handles``), so the gathers, the handle all-gathers, the barriers and the engine calls are
     the real code's."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
+    from adapter_trainer import fsdp2_linear_stack
     from trainer_adapters import cuda_ipc
 
     def ipc_handles_on_cpu(tensor: torch.Tensor, group=None) -> dict:
@@ -227,16 +226,8 @@ def _push_cuda_ipc_rank(rank: int, port: int, result_path: str) -> None:
     cuda_ipc.ipc_handles = ipc_handles_on_cpu
     cuda_ipc._cuda_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args: None
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=30))  # a mismatched collective fails instead of hanging
     try:
-        mesh = init_device_mesh("cpu", (2,))
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = fsdp2_linear_stack(rank, port, layers=3, timeout_s=30)
         calls: list = []
 
         class Refusing:
@@ -257,7 +248,7 @@ def _push_cuda_ipc_rank(rank: int, port: int, result_path: str) -> None:
         after = torch.tensor([rank + 1.0])
         dist.all_reduce(after)  # both ranks are in step after the push
         torch.save({"error": error, "calls": calls, "after": after.item()}, f"{result_path}.{rank}")
-        del mesh, model
+        del model
     finally:
         dist.destroy_process_group()
         gc.collect()
