@@ -82,6 +82,7 @@ class ModelConfig:
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
         window = _sliding_window(arch, raw)
+        _check_biases(arch, raw)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
         eos_ids = tuple(dict.fromkeys(eos_ids + tuple(extra_eos)))
@@ -135,6 +136,16 @@ def _moe_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
     return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["moe_intermediate_size"],
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)), moe_topk_weights_fp32=False,
                 sparse_layers=tuple(i for i in layers if i not in dense and (i + 1) % step == 0))
+
+
+def _check_biases(arch: str, raw: dict[str, Any]) -> None:
+    """ValueError for projection biases the models here do not have: ``mlp_bias``, and ``attention_bias``
+    outside Qwen2 (where transformers' attention_bias also puts one on o_proj; Qwen2's q/k/v biases are
+    served)."""
+    if raw.get("mlp_bias"):
+        raise ValueError("mlp_bias=true (biases on the MLP projections) is not supported")
+    if raw.get("attention_bias") and arch != "Qwen2ForCausalLM":
+        raise ValueError(f"attention_bias=true (biases on q/k/v/o_proj) is not supported for {arch}")
 
 
 def _sliding_window(arch: str, raw: dict[str, Any]) -> int | None:

@@ -63,7 +63,12 @@ def test_a_tied_head_stored_beside_the_embedding(tiny_dir, tmp_path, hf_referenc
         before = engine.weights_fingerprint()
         with pytest.raises(ValueError, match="lm_head.weight that differs"):
             engine.update_weights_from_disk(different)
+        embed = weights["model.embed_tokens.weight"]
+        with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
+            engine.update_weights_from_tensor([("model.embed_tokens.weight", embed * 2), ("lm_head.weight", embed)])
         assert engine.weights_fingerprint() == before and engine.get_weight_state()["state"] == "consistent"
+        engine.update_weights_from_tensor([("model.embed_tokens.weight", embed), ("lm_head.weight", embed.clone())])
+        assert engine.weights_fingerprint() == before  # a state_dict's equal pair is the same parameter
 
 
 def test_a_reload_of_another_models_checkpoint_is_refused(tiny_dir, tmp_path):

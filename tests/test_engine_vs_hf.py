@@ -51,3 +51,16 @@ def test_sliding_window_as_transformers_reads_the_config(model_type, use_sliding
     raw["sliding_window"] = 8  # as the checkpoint's config.json has it, whatever transformers normalizes
     want = None if model_type == "llama" else CONFIG_MAPPING[model_type](**raw).sliding_window
     assert ModelConfig.from_dict(raw).sliding_window == want
+
+
+@pytest.mark.parametrize("model_type,flags", [("llama", {"attention_bias": True}), ("llama", {"mlp_bias": True}),
+                                              ("qwen3", {"attention_bias": True})])
+def test_projection_biases_the_engine_lacks_are_refused_by_name(model_type, flags):
+    """transformers puts these biases on q/k/v/o_proj or the MLP; refused naming the config flag, not later as
+    an unknown checkpoint tensor."""
+    from transformers import CONFIG_MAPPING
+
+    from rollout.config import ModelConfig
+
+    with pytest.raises(ValueError, match=f"{next(iter(flags))}=true"):
+        ModelConfig.from_dict(CONFIG_MAPPING[model_type](**flags).to_dict())

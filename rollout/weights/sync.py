@@ -261,6 +261,8 @@ class WeightSync:
         """Reject (weights untouched) or load, then close the session if it is complete. A call rejected while
         a session is open leaves the earlier calls' parameters loaded: the weights are marked inconsistent,
         so only a complete update (not a later call that merely asks to close the session) makes them whole."""
+        if not problems:
+            problems = _tied_conflict(tensors, self.updater.weight_map.cfg.tie_word_embeddings)
         if check_finite and not problems:
             bad = self.updater.nonfinite(tensors)
             problems = [f"non-finite values in {bad[:5]}"] if bad else []
@@ -327,3 +329,18 @@ def _check_same_model(model_path: str, running: Any) -> None:
         detail = ", ".join(f"{n}: {getattr(running, n)!r} -> {getattr(new, n)!r}" for n in differ[:4])
         raise ValueError(f"checkpoint {model_path!r} is a different model than the one served ({detail}); "
                          "update_weights_from_disk reloads weights only: start an engine on it instead")
+
+
+def _tied_conflict(tensors: list[tuple[str, torch.Tensor]], tied: bool) -> list[str]:
+    """With tied embeddings ``lm_head.weight`` and ``model.embed_tokens.weight`` are one parameter: a call
+    carrying both (a ``state_dict``) must carry the same values (else whichever came last would win)."""
+    if not tied:
+        return []
+    named = {n: t for n, t in tensors if n in ("lm_head.weight", "model.embed_tokens.weight")}
+    if len(named) < 2:
+        return []
+    head, embed = named["lm_head.weight"], named["model.embed_tokens.weight"]
+    if head.shape == embed.shape and torch.equal(head, embed.to(head.dtype)):
+        return []
+    return ["lm_head.weight differs from model.embed_tokens.weight, which a model with tied embeddings holds "
+            "as one parameter: send the same values (or only the embedding)"]
