@@ -83,6 +83,7 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
         window = _sliding_window(arch, raw)
         _check_biases(arch, raw)
+        raw = _with_architecture_defaults(raw)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
         eos_ids = tuple(dict.fromkeys(eos_ids + tuple(extra_eos)))
@@ -161,6 +162,30 @@ def _arch_from_model_type(model_type: str) -> str:
     return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
             "mixtral": "MixtralForCausalLM"}.get(model_type, model_type or "<missing>")
+
+
+_DEFAULTED_KEYS = ("rms_norm_eps", "max_position_embeddings")
+
+
+def _with_architecture_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with the keys a config.json may leave out that differ by architecture (the norm epsilon, the
+    context, the rope theta: Mixtral's 1e-5 and 1e6, Llama's 1e-6 and 1e4) filled in from transformers'
+    config class for its ``model_type``, as transformers reads it. Configs that transformers wrote carry
+    them all, and then transformers is not imported."""
+    rope = raw.get("rope_parameters") or {}
+    if all(k in raw for k in _DEFAULTED_KEYS) and ("rope_theta" in raw or "rope_theta" in rope):
+        return raw
+    from transformers import CONFIG_MAPPING
+
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        return raw
+    defaults = CONFIG_MAPPING[model_type]().to_dict()
+    filled = {k: defaults[k] for k in _DEFAULTED_KEYS if k not in raw and k in defaults}
+    theta = defaults.get("rope_theta", (defaults.get("rope_parameters") or {}).get("rope_theta"))
+    if "rope_theta" not in raw and "rope_theta" not in rope and theta is not None:
+        filled["rope_theta"] = theta
+    return {**raw, **filled}
 
 
 def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:

@@ -64,3 +64,20 @@ def test_projection_biases_the_engine_lacks_are_refused_by_name(model_type, flag
 
     with pytest.raises(ValueError, match=f"{next(iter(flags))}=true"):
         ModelConfig.from_dict(CONFIG_MAPPING[model_type](**flags).to_dict())
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+def test_keys_a_config_leaves_out_take_the_architectures_defaults(model_type):
+    """A config.json without its norm epsilon, context or rope theta reads as transformers reads it: with its
+    architecture's defaults (Mixtral's 1e-5 and 1e6, not Llama's 1e-6 and 1e4)."""
+    from transformers import CONFIG_MAPPING
+
+    from rollout.config import ModelConfig
+
+    hf = CONFIG_MAPPING[model_type]()
+    slim = {k: v for k, v in hf.to_dict().items()
+            if k not in ("rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_parameters", "rope_scaling")}
+    cfg = ModelConfig.from_dict(slim)
+    theta = getattr(hf, "rope_theta", None) or hf.rope_parameters["rope_theta"]
+    assert (cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.rope["rope_theta"]) == (
+        hf.rms_norm_eps, hf.max_position_embeddings, theta)
