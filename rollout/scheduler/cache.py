@@ -38,11 +38,15 @@ class KVCacheManager:
         self.page_size = page_size
         self.disabled = disable_radix_cache
         self.tree = self._new_tree()
-        self.stale_trees: list[RadixCache] = []
         self.placed: dict[RadixCache, int] = {}  # requests placed per tree (the live one and the retired ones)
 
     def _new_tree(self) -> RadixCache:
         return RadixCache(self.allocator.free, disabled=self.disabled, page_size=self.page_size)
+
+    @property
+    def stale_trees(self) -> list[RadixCache]:
+        """The retired trees: those that requests placed before a weight update still hold."""
+        return [tree for tree in self.placed if tree is not self.tree]
 
     # ---- accounting ---------------------------------------------------------------------------
 
@@ -162,18 +166,14 @@ class KVCacheManager:
         return self.tree.flush()
 
     def _leave(self, tree: RadixCache) -> None:
-        """A request placed on ``tree`` is released; a retired tree goes with its last one."""
+        """A request placed on ``tree`` is released; a retired tree is forgotten with its last one."""
         self.placed[tree] -= 1
         if self.placed[tree] == 0:
             del self.placed[tree]
-            if tree is not self.tree:
-                self.stale_trees.remove(tree)
 
     def invalidate(self) -> None:
         """The weights changed: no KV computed before may be shared from now on (see the module contract)."""
         if self.tree not in self.placed and self.tree.flush():
             return
-        stale = self.tree
-        stale.evict(stale.evictable_size)
-        self.stale_trees.append(stale)
+        self.tree.evict(self.tree.evictable_size)  # retired: its unlocked entries go now, the rest with its requests
         self.tree = self._new_tree()
