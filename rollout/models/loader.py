@@ -12,7 +12,7 @@ import torch
 from rollout.config import ModelConfig
 from rollout.distributed import TPGroup
 from rollout.models.llama import LlamaForCausalLM
-from rollout.weights.weight_map import HFWeightMap
+from rollout.weights.weight_map import HFWeightMap, equal_values
 
 
 def iter_safetensors(model_path: str, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
@@ -26,15 +26,16 @@ def iter_safetensors(model_path: str, skip: frozenset[str] = frozenset()) -> Ite
                     yield name, f.get_tensor(name)
 
 
-def tied_head_skip(model_path: str, names: Any, cfg: ModelConfig) -> frozenset[str]:
+def tied_head_skip(model_path: str, names: Any, weight_map: HFWeightMap) -> frozenset[str]:
     """The checkpoint names to leave out of a load: with tied embeddings, a ``lm_head.weight`` stored beside the
     embedding is the same parameter, so it is left out when equal to it, and a ValueError when it differs
     (transformers then unties the two; an engine serving them tied cannot)."""
-    head, embed = "lm_head.weight", "model.embed_tokens.weight"
-    if not cfg.tie_word_embeddings or head not in names or embed not in names:
+    pair = weight_map.tied_pair(names)
+    if pair is None:
         return frozenset()
-    values = dict(iter_named(model_path, (head, embed)))
-    if not torch.equal(values[head], values[embed]):
+    head, embed = pair
+    values = dict(iter_named(model_path, pair))
+    if not equal_values(values[head], values[embed]):
         raise ValueError(f"checkpoint {model_path!r} has tie_word_embeddings=true but a lm_head.weight that differs "
                          "from model.embed_tokens.weight (transformers unties them): set tie_word_embeddings to "
                          "false in its config.json, or save the tied weights")
@@ -119,7 +120,7 @@ def build_model(cfg: ModelConfig, model_path: str | None, max_positions: int, tp
         init_dummy_weights(weight_map, seed)
     elif model_path is not None:
         names = read_safetensors_shapes(model_path)  # headers: a tensor in two files is refused here
-        load_weights(weight_map, iter_safetensors(model_path, tied_head_skip(model_path, names, cfg)))
+        load_weights(weight_map, iter_safetensors(model_path, tied_head_skip(model_path, names, weight_map)))
     return model, weight_map
 
 

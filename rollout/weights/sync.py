@@ -10,12 +10,14 @@ weights (``KVCacheManager.invalidate``) and names the new ``weight_version``.
 from __future__ import annotations
 
 import logging
+import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable
 
 import torch
 
+from rollout.config import ModelConfig
 from rollout.distributed import TPGroup
 from rollout.io_struct import (BenchmarkReceiveReq, DestroyProcessGroupReq, FlushCacheReq, GetWeightsByNameReq,
                                GetWeightVersionReq, InitProcessGroupReq, RollbackWeightsReq, UpdateWeightReq,
@@ -26,6 +28,7 @@ from rollout.weights.group import WeightGroups
 from rollout.weights.ipc_protocol import OpenedIpcTensors
 from rollout.weights.shared_tensors import close_shared, open_shared
 from rollout.weights.updater import TransferError, WeightUpdater, assemble
+from rollout.weights.weight_map import equal_values
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +143,7 @@ class WeightSync:
         wm = self.updater.weight_map
         _check_same_model(req.model_path, wm.cfg)
         shapes = read_safetensors_shapes(req.model_path)
-        skip = tied_head_skip(req.model_path, shapes, wm.cfg)
+        skip = tied_head_skip(req.model_path, shapes, wm)
         names = [n for n in shapes if not wm.is_ignored(n) and n not in skip]
         problems = self._problems(parse_specs(names, [shapes[n][0] for n in names],
                                               [list(shapes[n][1]) for n in names]))
@@ -262,7 +265,7 @@ class WeightSync:
         a session is open leaves the earlier calls' parameters loaded: the weights are marked inconsistent,
         so only a complete update (not a later call that merely asks to close the session) makes them whole."""
         if not problems:
-            problems = _tied_conflict(tensors, self.updater.weight_map.cfg.tie_word_embeddings)
+            problems = _tied_conflict(tensors, self.updater.weight_map)
         if check_finite and not problems:
             bad = self.updater.nonfinite(tensors)
             problems = [f"non-finite values in {bad[:5]}"] if bad else []
@@ -315,15 +318,10 @@ _RELOAD_MAY_CHANGE = ("torch_dtype", "eos_token_ids")
 def _check_same_model(model_path: str, running: Any) -> None:
     """ValueError when ``model_path``'s config.json (if it has one) describes another model than ``running``
     (a ``ModelConfig``): its weights would load by name and shape and compute something else."""
-    import dataclasses
-    import os
-
-    from rollout.config import ModelConfig
-
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         return
     new = ModelConfig.from_path(model_path)
-    differ = [f.name for f in dataclasses.fields(ModelConfig)
+    differ = [f.name for f in fields(ModelConfig)
               if f.compare and f.name not in _RELOAD_MAY_CHANGE and getattr(new, f.name) != getattr(running, f.name)]
     if differ:
         detail = ", ".join(f"{n}: {getattr(running, n)!r} -> {getattr(new, n)!r}" for n in differ[:4])
@@ -331,16 +329,12 @@ def _check_same_model(model_path: str, running: Any) -> None:
                          "update_weights_from_disk reloads weights only: start an engine on it instead")
 
 
-def _tied_conflict(tensors: list[tuple[str, torch.Tensor]], tied: bool) -> list[str]:
+def _tied_conflict(tensors: list[tuple[str, torch.Tensor]], weight_map: Any) -> list[str]:
     """With tied embeddings ``lm_head.weight`` and ``model.embed_tokens.weight`` are one parameter: a call
     carrying both (a ``state_dict``) must carry the same values (else whichever came last would win)."""
-    if not tied:
-        return []
-    named = {n: t for n, t in tensors if n in ("lm_head.weight", "model.embed_tokens.weight")}
-    if len(named) < 2:
-        return []
-    head, embed = named["lm_head.weight"], named["model.embed_tokens.weight"]
-    if head.shape == embed.shape and torch.equal(head, embed.to(head.dtype)):
+    named = dict(tensors)
+    pair = weight_map.tied_pair(named)
+    if pair is None or equal_values(named[pair[0]], named[pair[1]]):
         return []
     return ["lm_head.weight differs from model.embed_tokens.weight, which a model with tied embeddings holds "
             "as one parameter: send the same values (or only the embedding)"]

@@ -30,6 +30,7 @@ _STACKED = (
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 )
+TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"  # one parameter when tied
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.cos_cached|rotary_emb\.sin_cached)$")
 
 
@@ -104,9 +105,16 @@ class HFWeightMap:
 
     def canonical(self, hf_name: str) -> str:
         """The name as listed in ``shapes`` (a tied ``lm_head.weight`` is the embedding)."""
-        if hf_name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-            return "model.embed_tokens.weight"
+        if hf_name == TIED_HEAD and self.cfg.tie_word_embeddings:
+            return TIED_EMBEDDING
         return hf_name
+
+    def tied_pair(self, names: Any) -> tuple[str, str] | None:
+        """(head, embedding) names when ``names`` holds both and the embeddings are tied: two names of one
+        parameter, which must carry equal values (``equal_values``)."""
+        if self.cfg.tie_word_embeddings and TIED_HEAD in names and TIED_EMBEDDING in names:
+            return TIED_HEAD, TIED_EMBEDDING
+        return None
 
     def covered(self, hf_name: str) -> tuple[str, ...]:
         """The ``shapes`` names that loading ``hf_name`` sets (several for a fused expert tensor)."""
@@ -252,3 +260,8 @@ def merge_adjacent(targets: list[tuple[torch.Tensor, Any]]) -> list[tuple[torch.
         else:
             out.append((view, spec))
     return out
+
+
+def equal_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same shape and, in ``a``'s dtype, the same values."""
+    return a.shape == b.shape and torch.equal(a, b.to(a.dtype))
