@@ -94,13 +94,13 @@ def _run(cfg: SmokeConfig, conn: Any) -> dict[str, Any]:
         torch.cuda.set_device(cfg.trainer_device)  # NCCL uses the current device
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
     model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32).to(cfg.trainer_device).eval()
-    chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(cfg.num_prompts)]
+    ask = _asker(engine, tok, cfg.num_prompts)
     sample = SamplingParams(temperature=1.0, n=2, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, logprobs=0,
                             return_routed_experts=cfg.replay_routing)
     report: dict[str, Any] = {"version_before": engine.get_weight_version()}
 
     t0 = time.perf_counter()
-    rollout = engine.chat(chats, sample, use_tqdm=False)
+    rollout = ask(sample)
     report["rollout1"] = {"seconds": time.perf_counter() - t0, "sequences": sum(len(o.outputs) for o in rollout),
                           "tokens": sum(len(c.token_ids) for o in rollout for c in o.outputs),
                           "version": rollout[0].weight_version}
@@ -115,19 +115,29 @@ def _run(cfg: SmokeConfig, conn: Any) -> dict[str, Any]:
 
     served = _served(model, dtype)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, return_routed_experts=cfg.replay_routing)
-    outs = engine.chat(chats, greedy, use_tqdm=False)
+    outs = ask(greedy)
     eos = tok.eos_token_id
     report["greedy_total"] = len(outs)
     report["greedy_equal"] = sum(o.outputs[0].token_ids == hf_greedy(served, o.prompt_token_ids, cfg.max_new_tokens, eos)
                                  for o in outs)
     report["greedy_max_gap"] = max(max(greedy_gaps(served, o.prompt_token_ids, o.outputs[0].token_ids,
                                                    o.outputs[0].routed_experts), default=0.0) for o in outs)
-    rollout2 = engine.chat(chats, sample, use_tqdm=False)
+    rollout2 = ask(sample)
     report["parity_after"] = _parity(served, rollout2)
     report["version_after"] = engine.get_weight_version()
     report["output_versions"] = sorted({o.weight_version for o in outs + rollout2})
     report["sample_answer"] = outs[0].outputs[0].text.strip()
     return report
+
+
+def _asker(engine: Any, tok: Any, n: int) -> Any:
+    """``ask(params)``: the smoke's ``n`` questions to the engine, as chats where the tokenizer has a chat
+    template, else as plain text (a base model's tokenizer often has none)."""
+    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
+    if getattr(tok, "chat_template", None):
+        chats = [[{"role": "user", "content": q}] for q in questions]
+        return lambda params: engine.chat(chats, params, use_tqdm=False)
+    return lambda params: engine.generate(questions, params, use_tqdm=False)
 
 
 def _served(model: Any, dtype: torch.dtype) -> Any:
