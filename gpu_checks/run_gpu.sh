@@ -38,6 +38,9 @@
 #   bash gpu_checks/run_gpu.sh grpo-rl-2gpu  # 2 GPUs: the same with the trainer on GPU 1 broadcasting over NCCL
 #   bash gpu_checks/run_gpu.sh moe-bench # Qwen3-30B-A3B shape (dummy weights): 256 x 1000 in / 1000 out, batch-1 step
 #   bash gpu_checks/run_gpu.sh moe-sync  # Qwen3-30B-A3B shape: same-GPU push of the trainer's fused expert tensors
+#   bash gpu_checks/run_gpu.sh update-paths  # after a live update (CUDA IPC push): graphs, eager, piecewise, fp8
+#                                            # weights, fp8 KV, sleep/wake, embedding-only (tied); Qwen3-0.6B and the
+#                                            # MoE preset, each against a fresh engine on the new weights and transformers
 #   bash gpu_checks/run_gpu.sh corun     # prefill (and decode-batch) GEMMs vs decode attention on two streams, with SM carveouts
 set -uo pipefail
 out=${OUT:-gpu_out}
@@ -160,6 +163,10 @@ num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, initializer_
     step fused-moe-graph 120 python gpu_checks/check_fused_moe_graph.py
     step preset-moe-4l 200 python -c "from benchmarks.presets import write_preset; print(write_preset('qwen3-30b-a3b-4l'))"
     step logits-moe 300 python gpu_checks/check_logits.py --preset qwen3-30b-a3b-4l --num-seqs 32 --tp-sizes 1 ;;
+  update-paths)
+    step update-paths-qwen3-0.6b 330 python gpu_checks/check_update_paths.py --preset qwen3-0.6b
+    step preset-moe-4l 200 python -c "from benchmarks.presets import write_preset; print(write_preset('qwen3-30b-a3b-4l'))"
+    step update-paths-moe 260 python gpu_checks/check_update_paths.py --preset qwen3-30b-a3b-4l --variants graphs,sleep ;;
   rl-8b)
     step preset-8b 240 python -c "from benchmarks.presets import write_preset; print(write_preset('llama-3.1-8b'))"
     step bench-8b 200 python -m rollout.bench --preset llama-3.1-8b --num-prompts 256 --input-len 1000 \
