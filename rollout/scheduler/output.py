@@ -74,6 +74,10 @@ class BackgroundTokenizer:
         self._error: BaseException | None = None
         self._thread = None
         if not config.skip_tokenizer_init:
+            # transformers' first import is not thread-safe (another thread's ``from transformers import X``
+            # meanwhile fails ~1 time in 3 with an ImportError); once imported, concurrent imports are fine
+            import transformers  # noqa: F401
+
             self._thread = threading.Thread(target=self._load, name="tokenizer-load", daemon=True)
             self._thread.start()
 
