@@ -57,14 +57,14 @@ def new_weights(model: torch.nn.Module, seed: int, only_embedding: bool) -> None
 
 
 def run_variant(path: str, name: str, prompts: list[list[int]], new_tokens: int,
-                named: list[tuple[str, torch.Tensor]] | None) -> EngineRun:
+                named: list[tuple[str, torch.Tensor]] | None, tp_size: int = 1) -> EngineRun:
     """Variant ``name`` on ``path``: with ``named``, generate, push ``named``, generate again; without,
     a fresh engine's one generation."""
     from rollout import Engine, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True, logprobs=TOP)
     with Engine(path, dtype="bfloat16", device="cuda", mem_fraction_static=0.4, skip_tokenizer_init=True,
-                **VARIANTS[name]) as engine:
+                tp_size=tp_size, **VARIANTS[name]) as engine:
         if named is not None:
             engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
             if name == "sleep":
@@ -106,11 +106,13 @@ def main() -> int:
     p.add_argument("--num-seqs", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp-size", type=int, default=1, help="the engines' TP size (2: two GPUs, NCCL between ranks)")
     p.add_argument("--tolerance", type=float, default=2e-2)
     args = p.parse_args()
     path = _model_path(args)
     prompts = _prompts(ModelConfig.from_path(path).vocab_size, args.num_seqs, args.seed)
-    print(f"model {path}; {torch.cuda.get_device_name()}, torch {torch.__version__}; {len(prompts)} prompts, "
+    print(f"model {path}; {torch.cuda.get_device_name()} x{torch.cuda.device_count()}, TP={args.tp_size}, torch "
+          f"{torch.__version__}; {len(prompts)} prompts, "
           f"{args.new_tokens} greedy tokens each, before and after the update", flush=True)
     failed = []
     for name in args.variants.split(","):
@@ -119,10 +121,10 @@ def main() -> int:
         if name == "embed-only":
             embed = ref.get_input_embeddings().weight
             named = [(n, t) for n, t in named if t.data_ptr() == embed.data_ptr()][:1]
-        run = run_variant(path, name, prompts, args.new_tokens, named)
+        run = run_variant(path, name, prompts, args.new_tokens, named, args.tp_size)
         with tempfile.TemporaryDirectory() as saved:
             ref.save_pretrained(saved)
-            fresh = run_variant(saved, name, prompts, args.new_tokens, None)
+            fresh = run_variant(saved, name, prompts, args.new_tokens, None, args.tp_size)
         same = compare_runs(fresh, run)
         r = compare_with_hf(ref, prompts, run)
         ok = same["top20_rel"] <= 1e-3 and same["identical_sequences"] == len(prompts)
