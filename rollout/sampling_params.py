@@ -140,6 +140,8 @@ class SamplingParams:
                 f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None:  # vLLM's range (a 64-bit seed): larger ones aliased smaller ones silently
+            _check_int(self, "seed", lo=-2**63, hi=2**63 - 1)
         if self.logprobs is not None:
             _check_int(self, "logprobs", lo=0, hi=20)
         if self.prompt_logprobs is not None:

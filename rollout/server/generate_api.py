@@ -16,6 +16,7 @@ shape); with ``return_routed_experts`` (MoE models, SGLang's field) the final ``
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, AsyncIterator
 
@@ -138,8 +139,13 @@ class _GenerateView:
         self.tokenizer = state.engine.tokenizer
         self.body = body
         self.job = job
-        self.index = {rid: i for i, rid in enumerate(job.rids)}
         self.n = {rid: p.n for rid, p in zip(job.rids, job.params)}
+        # a (prompt, sample)'s place in the non-streamed list: the samples of the prompts before it, then its
+        # own index (prompts may ask for different n: prompt * n collided with another prompt's samples)
+        starts = [0]
+        for p in job.params:
+            starts.append(starts[-1] + p.n)
+        self.start = dict(zip(job.rids, starts))
         self.single = job.size == 1 and job.params[0].n == 1 and not isinstance(body.text, list) \
             and not (body.input_ids and isinstance(body.input_ids[0], list))
         self.so_far: dict[tuple[str, int], CompletionOutput] = {}
@@ -156,8 +162,8 @@ class _GenerateView:
             meta["routed_experts"] = routed_experts_to_base64(c.routed_experts)
             meta["routed_experts_start_len"] = self.body.routed_experts_start_len
         if self.body.return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, self._text(t)] for lp, t in zip(c.token_logprobs or [],
-                                                                                    c.token_ids)]
+            meta["output_token_logprobs"] = [[_finite(lp), t, self._text(t)]
+                                             for lp, t in zip(c.token_logprobs or [], c.token_ids)]
             if self.body.top_logprobs_num:
                 meta["output_top_logprobs"] = [self._top(entry) for entry in c.logprobs or []]
             if self.body.logprob_start_len >= 0:
@@ -183,7 +189,7 @@ class _GenerateView:
             acc.logprobs += c.logprobs or []
             acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
             acc.routed_experts = c.routed_experts
-            index = self.index[chunk.request_id] * self.n[chunk.request_id] + c.index
+            index = self.start[chunk.request_id] + c.index
             events.append(self.item(chunk, acc, index))
         return events
 
@@ -195,7 +201,7 @@ class _GenerateView:
         entries = self.prompt_lps.get(out.request_id) or [None] * len(out.prompt_token_ids)
         start = self.body.logprob_start_len
         ids, entries = out.prompt_token_ids[start:], [None] + entries[start + 1:]
-        meta: dict[str, Any] = {"input_token_logprobs": [[e[t].logprob if e else None, t, self._text(t)]
+        meta: dict[str, Any] = {"input_token_logprobs": [[_finite(e[t].logprob) if e else None, t, self._text(t)]
                                                          for t, e in zip(ids, entries)]}
         if self.body.top_logprobs_num:
             meta["input_top_logprobs"] = [self._top(e) if e else None for e in entries]
@@ -209,7 +215,13 @@ class _GenerateView:
     def _top(self, entry: dict[int, Any]) -> list[list[Any]]:
         k = self.body.top_logprobs_num
         ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k)
-        return [[lp, tid, self._text(tid)] for _, tid, lp in ranked]
+        return [[_finite(lp), tid, self._text(tid)] for _, tid, lp in ranked]
+
+
+def _finite(value: float | None) -> float | None:
+    """A logprob JSON can carry: -inf / NaN (processed logprobs of tokens top-k, top-p or min-p rule out)
+    become null, as SGLang's orjson responses send them (Starlette's JSON refused them: a 500)."""
+    return value if value is not None and math.isfinite(value) else None
 
 
 def _finish_reason(c: CompletionOutput, length: int, error: str | None) -> dict[str, Any] | None:

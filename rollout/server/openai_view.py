@@ -3,6 +3,7 @@ logprobs (with ``echo``, the prompt's tokens first)."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -10,6 +11,15 @@ from rollout.outputs import CompletionOutput, RequestOutput, routed_experts_to_b
 from rollout.server.protocol import OpenAICommon
 from rollout.server.serving import GenJob
 from rollout.server.state import ServerState
+
+
+def json_logprob(value: float | None) -> float | None:
+    """A logprob JSON can carry: -inf (a token that processed logprobs rule out: top-k, top-p, min-p) becomes
+    -9999.0 as vLLM sends it (``max(logprob, -9999.0)``), NaN becomes null. Starlette's JSON refuses both
+    (the whole response became a 500) and ``json.dumps`` writes ``-Infinity``, which is not JSON."""
+    if value is None or math.isnan(value):
+        return None
+    return max(value, -9999.0)
 
 
 class OpenAIView:
@@ -33,6 +43,9 @@ class OpenAIView:
         self.finished: set[int] = set()
         self.prompt_sent: set[int] = set()
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        options = body.stream_options
+        self.continuous_usage = bool(options and options.continuous_usage_stats)
+        self.choice_tokens: dict[int, int] = {}  # a choice's completion tokens so far (continuous usage)
         self.weight_version = ""
 
     # -- whole responses --
@@ -65,7 +78,12 @@ class OpenAIView:
                 continue
             if c.finish_reason is not None:
                 self.finished.add(index)
-            events.append(self._chunk([self._choice(out, c, delta=True)]))
+            chunk = self._chunk([self._choice(out, c, delta=True)])
+            if self.continuous_usage:  # vLLM / SGLang: this choice's prompt and its completion tokens so far
+                done = self.choice_tokens[index] = self.choice_tokens.get(index, 0) + len(c.token_ids)
+                prompt = len(out.prompt_token_ids)
+                chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+            events.append(chunk)
         return events
 
     def usage_chunk(self) -> dict[str, Any]:
@@ -124,7 +142,7 @@ class OpenAIView:
     def _top(self, entry: dict[int, Any]) -> list[tuple[int, float]]:
         ranked = sorted(((lp.rank or 0, tid, lp.logprob) for tid, lp in entry.items()
                          if lp.rank is not None and lp.rank <= (self.logprobs or 0)))
-        return [(tid, lp) for _, tid, lp in ranked]
+        return [(tid, json_logprob(lp)) for _, tid, lp in ranked]
 
     def _echo(self, out: RequestOutput, index: int) -> tuple[str, list[int], list[Any]] | None:
         """With ``echo``, for a choice's first chunk: the prompt's text, token ids and logprob entries (None
@@ -150,11 +168,12 @@ class OpenAIView:
             offsets.append(pos)
             pos += len(tok)
         self.offsets[index] = pos
-        token_lps = [e[t].logprob if e else None for t, e in zip(prompt_ids, prompt_entries)]
-        token_lps += list(c.token_logprobs or [])
+        token_lps = [json_logprob(e[t].logprob) if e else None for t, e in zip(prompt_ids, prompt_entries)]
+        token_lps += [json_logprob(lp) for lp in c.token_logprobs or []]
         top = None
         if self.logprobs is not None:  # the chosen token, then the top k: up to k + 1 entries (OpenAI, vLLM)
-            top = [{self._text(t): lp.logprob for t, lp in list(entry.items())[:self.logprobs + 1]} if entry else None
+            top = [{self._text(t): json_logprob(lp.logprob) for t, lp in list(entry.items())[:self.logprobs + 1]}
+                   if entry else None
                    for entry in list(prompt_entries) + list(c.logprobs or [])]
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top, "text_offset": offsets}
 
@@ -164,5 +183,6 @@ class OpenAIView:
             text = self._text(tok)
             top = [{"token": self._text(t), "logprob": v, "bytes": list(self._text(t).encode())}
                    for t, v in self._top(entry)]
-            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": top})
+            content.append({"token": text, "logprob": json_logprob(lp), "bytes": list(text.encode()),
+                            "top_logprobs": top})
         return {"content": content}

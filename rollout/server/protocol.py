@@ -24,6 +24,7 @@ class Body(BaseModel):
 
 class StreamOptions(Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's and SGLang's: every chunk carries its choice's usage so far
 
 
 class SamplingExtras(Body):

@@ -32,8 +32,8 @@ class ServerState:
         self.error: str | None = None
         self.metrics = ServerMetrics()
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="engine-call")
-        self.inflight: set[str] = set()
-        self.groups: dict[str, list[str]] = {}  # a multi-prompt response's id → its prompts' request ids
+        self.inflight: dict[str, Any] = {}  # request id → the job (GenJob) that submitted it
+        self.groups: dict[str, Any] = {}  # a multi-prompt response's id → its job (whose rids are its prompts')
         self.sync_started: float | None = None
         self.created = int(time.time())
         self._factory = engine_factory
@@ -109,19 +109,26 @@ class ServerState:
     # ---- in-flight requests (for /abort_request) ---------------------------------------------------
 
     def track(self, job: Any) -> None:
-        """``job`` (a ``GenJob``) was submitted: its request ids, and its group id if it has one, are live."""
-        self.inflight.update(job.rids)
+        """``job`` (a ``GenJob``) was submitted: its request ids, and its group id if it has one, are live.
+        An id a live job already holds stays that job's: the engine refuses the newcomer as a duplicate."""
+        for rid in job.rids:
+            self.inflight.setdefault(rid, job)
         if job.group_id is not None:
-            self.groups[job.group_id] = job.rids
+            self.groups.setdefault(job.group_id, job)
 
     def untrack(self, job: Any) -> None:
-        self.inflight.difference_update(job.rids)
-        if job.group_id is not None:
-            self.groups.pop(job.group_id, None)
+        """Forget the ids ``job`` holds (not those of a live job with the same ids: a refused duplicate's
+        untrack removed them, so ``abort_all`` and ``/abort_request`` by the group id missed the live job)."""
+        for rid in job.rids:
+            if self.inflight.get(rid) is job:
+                del self.inflight[rid]
+        if job.group_id is not None and self.groups.get(job.group_id) is job:
+            del self.groups[job.group_id]
 
     def request_ids(self, rid: str) -> list[str]:
         """The engine request ids that ``rid`` names: a multi-prompt response's id names all its prompts'."""
-        return list(self.groups.get(rid, [rid]))
+        job = self.groups.get(rid)
+        return list(job.rids) if job is not None else [rid]
 
     # ---- weight-sync sessions (for /metrics) ----------------------------------------------------
 
