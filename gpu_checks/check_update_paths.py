@@ -40,6 +40,7 @@ VARIANTS = {  # name -> engine options
     "piecewise": {"enable_piecewise_cuda_graph": True},
     "fp8-weights": {"quantization": "fp8"},
     "fp8-kv": {"kv_cache_dtype": "fp8_e4m3"},
+    "saver": {"enable_memory_saver": True},
     "sleep": {"enable_memory_saver": True},
     "embed-only": {},
 }

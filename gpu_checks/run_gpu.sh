@@ -41,6 +41,7 @@
 #   bash gpu_checks/run_gpu.sh update-paths  # after a live update (CUDA IPC push): graphs, eager, piecewise, fp8
 #                                            # weights, fp8 KV, sleep/wake, embedding-only (tied); Qwen3-0.6B and the
 #                                            # MoE preset, each against a fresh engine on the new weights and transformers
+#   bash gpu_checks/run_gpu.sh update-paths-tp2  # 2 GPUs: the same at TP=2 (rank 1 copies from the caller's GPU 0)
 #   bash gpu_checks/run_gpu.sh corun     # prefill (and decode-batch) GEMMs vs decode attention on two streams, with SM carveouts
 set -uo pipefail
 out=${OUT:-gpu_out}
@@ -167,6 +168,9 @@ num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, initializer_
     step update-paths-qwen3-0.6b 330 python gpu_checks/check_update_paths.py --preset qwen3-0.6b
     step preset-moe-4l 200 python -c "from benchmarks.presets import write_preset; print(write_preset('qwen3-30b-a3b-4l'))"
     step update-paths-moe 260 python gpu_checks/check_update_paths.py --preset qwen3-30b-a3b-4l --variants graphs,sleep ;;
+  update-paths-tp2)
+    step update-paths-tp2 420 python gpu_checks/check_update_paths.py --preset qwen3-0.6b --tp-size 2 \
+      --variants graphs,fp8-weights,saver,sleep,embed-only ;;
   rl-8b)
     step preset-8b 240 python -c "from benchmarks.presets import write_preset; print(write_preset('llama-3.1-8b'))"
     step bench-8b 200 python -m rollout.bench --preset llama-3.1-8b --num-prompts 256 --input-len 1000 \

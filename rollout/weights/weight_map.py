@@ -176,7 +176,7 @@ class HFWeightMap:
         """Copy this rank's shard of the full HF tensor into place."""
         self.check(hf_name, tuple(tensor.shape))
         for param, shard_id in self.resolve_all(hf_name):
-            param.weight_loader(param, tensor, shard_id)
+            param.weight_loader(param, on_device(tensor, param.device), shard_id)
 
     def load_all(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """``load`` each tensor, with the views of plain copies cached (``copy_targets``): a push of
@@ -190,7 +190,7 @@ class HFWeightMap:
                 if part.shape != view.shape:
                     raise ValueError(f"wrong shape for {name!r}: this rank expects {tuple(view.shape)} of it, "
                                      f"got {tuple(part.shape)}")
-                view.copy_(part)
+                view.copy_(on_device(part, view.device))
 
     def copy_targets(self, names: tuple[str, ...]) -> list[Any]:
         """For each HF name, the [(this rank's view, its ShardSpec)] that plain copies load, None when its
@@ -260,6 +260,14 @@ def merge_adjacent(targets: list[tuple[torch.Tensor, Any]]) -> list[tuple[torch.
         else:
             out.append((view, spec))
     return out
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``. A CUDA tensor another GPU holds (a trainer on GPU 0 sharing by CUDA IPC with TP
+    rank 1) is copied into this GPU's own memory first: after a sleep and wake, a peer copy straight into the
+    weights (which torch-memory-saver maps again with ``cuMemMap``, likely with access for this GPU only)
+    failed with "CUDA error: invalid argument" (two H200s, ``gpu_checks/check_update_paths.py --tp-size 2``)."""
+    return t.to(device) if t.is_cuda and device.type == "cuda" and t.device != device else t
 
 
 def equal_values(a: torch.Tensor, b: torch.Tensor) -> bool:
