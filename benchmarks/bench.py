@@ -37,7 +37,7 @@ from rollout.config import (ATTENTION_BACKENDS, DECODE_ATTENTION_BACKENDS, KV_CA
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rollout.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m rollout.bench", description=" ".join(__doc__.split("\n\n")[0].split()))
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="local HF model dir (default: SmolLM2-135M-Instruct)")
     src.add_argument("--preset", choices=PRESET_NAMES, default=None,

@@ -75,7 +75,8 @@ def format_summary(s: TraceSummary, top: int = 12) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.trace_gaps",
+                                description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("trace")
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()

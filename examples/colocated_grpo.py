@@ -106,7 +106,9 @@ def rollout(engine, args, rng):
         outs = engine.chat([[{"role": "user", "content": q}] for q, _ in batch], sampling, use_tqdm=False)
         scores = [[reward(c.text, answer) for c in out.outputs] for (_, answer), out in zip(batch, outs)]
     else:
-        prompts = [[rng.randrange(100, 20000) for _ in range(64)] for _ in range(args.prompts_per_step)]
+        vocab = engine.model_config.vocab_size  # ids within the preset's vocabulary (tiny has 1,024)
+        prompts = [[rng.randrange(min(100, vocab // 2), min(20000, vocab)) for _ in range(64)]
+                   for _ in range(args.prompts_per_step)]
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=sampling, use_tqdm=False)
         scores = [[rng.random() for _ in out.outputs] for out in outs]
     samples, rewards = [], []

@@ -46,6 +46,8 @@ class Trainer:
             torch.cuda.set_device(0)
         self.device = device
         self.tok = AutoTokenizer.from_pretrained(model_path)
+        if self.tok.pad_token is None:  # Llama 3 and many base models ship no pad token
+            self.tok.pad_token = self.tok.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
         self._model_update_group = None
 

@@ -132,3 +132,17 @@ def test_a_seed_outside_64_bits_is_a_400(http, path):
         assert r.status_code == 400, r.text
     for seed in (2**63 - 1, -2**63):
         assert http.post("/v1/completions", json={**body, "seed": seed}).status_code == 200
+
+
+def test_openai_routed_experts_start_len_without_return_routed_experts_is_a_400(http):
+    """docs/moe.md: "(HTTP) a start length without `return_routed_experts`" is a clear error. /generate said so;
+    the OpenAI endpoints answered 200 and ignored it."""
+    r = http.post("/generate", json={"input_ids": [5, 6, 7], "routed_experts_start_len": 1})
+    assert r.status_code == 400 and "needs return_routed_experts=true" in r.text
+    r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1, "routed_experts_start_len": 1})
+    assert r.status_code == 400 and "needs return_routed_experts=true" in r.text, r.text
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                "routed_experts_start_len": 1})
+    assert r.status_code == 400 and "needs return_routed_experts=true" in r.text, r.text
+    r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1, "routed_experts_start_len": 0})
+    assert r.status_code == 200

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
-from rollout.layers.quantization import (fp8_linear, quantize_fp8_rows, quantize_fp8_tokens,
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools.timing
+
+from rollout.layers.quantization import (fp8_linear, quantize_fp8_rows, quantize_fp8_tokens,  # noqa: E402
                                          quantize_fp8_tokens_torch, reference_linear)
-from rollout.kernels.fp8_gemm import GemmLaunch, default_launch, fp8_gemm
-from tools.timing import graph_ms
+from rollout.kernels.fp8_gemm import GemmLaunch, default_launch, fp8_gemm  # noqa: E402
+from tools.timing import graph_ms  # noqa: E402
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
           "down_proj": (4096, 14336)}

@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
 
-from rollout.kernels.fused_moe import (MoeLaunch, default_moe_launch, fused_moe, moe_align_block_size,
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools.timing
+
+from rollout.kernels.fused_moe import (MoeLaunch, default_moe_launch, fused_moe, moe_align_block_size,  # noqa: E402
                                        moe_gemm)
-from tools.timing import eager_ms, graph_ms
+from tools.timing import eager_ms, graph_ms  # noqa: E402
 
 E, TOP_K, H, I = 128, 8, 2048, 768
 TOKENS = (1, 8, 32, 64, 128, 256, 512, 1024, 4096)

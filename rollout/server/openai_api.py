@@ -139,6 +139,8 @@ def _check_common(state: ServerState, body: OpenAICommon) -> None:
         raise APIError(400, "logit_bias is not supported", "logit_bias")
     if body.stream_options is not None and not body.stream:  # vLLM's check and message
         raise APIError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
+    if body.routed_experts_start_len and not body.return_routed_experts:  # as /generate answers it
+        raise APIError(400, "routed_experts_start_len needs return_routed_experts=true", "routed_experts_start_len")
 
 
 def _completion_prompts(prompt: Any) -> tuple[list[str] | None, list[list[int]] | None]:
