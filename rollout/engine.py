@@ -9,6 +9,7 @@ that runs it (``rollout.weights.sync.WeightSync`` for weights).
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,8 @@ from rollout.io_struct import (BenchmarkReceiveReq, ContinueGenerationReq, Contr
 from rollout.launcher import launch
 from rollout.outputs import RequestOutput
 from rollout.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -78,7 +81,7 @@ class Engine:
         """
         items = self._inputs(prompts, prompt_token_ids, sampling_params, request_id)
         if stream:
-            return engine_outputs.stream(self.tokenizer_manager, items)
+            return engine_outputs.stream(self.tokenizer_manager, items, owner=self)  # keeps the engine alive
         return engine_outputs.run_batch(self.tokenizer_manager, items, use_tqdm)
 
     async def async_generate(self, prompts: Any = None, sampling_params: Any = None,
@@ -87,7 +90,7 @@ class Engine:
         """``generate`` for asyncio callers (any event loop); with ``stream=True`` an async iterator."""
         items = self._inputs(prompts, prompt_token_ids, sampling_params, request_id)
         if stream:
-            return engine_outputs.astream(self.tokenizer_manager, items)
+            return engine_outputs.astream(self.tokenizer_manager, items, owner=self)
         return await engine_outputs.run_batch_async(self.tokenizer_manager, items)
 
     def chat(self, messages: Any, sampling_params: Any = None, *, chat_template: str | None = None,
@@ -188,13 +191,26 @@ class Engine:
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
         """vLLM's call: level 1 keeps the weights in host memory and drops the KV cache; level 2 drops both (the
-        trainer pushes new weights after ``wake_up(tags=["weights"])``). Requests sent while asleep fail."""
+        trainer pushes new weights after ``wake_up(tags=["weights"])``). Requests sent while asleep fail. As in
+        vLLM, sleeping again is a warning and does nothing (SGLang's ``release_memory_occupation`` refuses)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        state = self._call(GetMemoryStateReq())
+        if state["sleeping"]:
+            logger.warning("the engine is already sleeping (released: %s): sleep() does nothing", state["released"])
+            return state
         return self._call(ReleaseMemoryOccupationReq(tags=None, keep_weights=level == 1))
 
     def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
-        """vLLM's call: resume ``tags`` ("weights", "kv_cache"; None: everything released)."""
+        """vLLM's call: resume ``tags`` ("weights", "kv_cache"; None: everything released). As in vLLM, waking an
+        awake engine, or naming a tag that is not asleep, is a warning and does nothing (SGLang's
+        ``resume_memory_occupation`` refuses); unknown tags are a ValueError."""
+        state = self._call(GetMemoryStateReq())
+        if all(t in _WAKE_TAGS for t in tags or ()):  # unknown tags: resume_memory_occupation's ValueError
+            awake = [t for t in tags or () if t not in state["released"]]
+            if not state["sleeping"] or awake:
+                logger.warning("wake_up(%s): not asleep (released: %s); nothing to do", tags, state["released"])
+                return state
         return self.resume_memory_occupation(tags)
 
     def is_sleeping(self) -> bool:
@@ -349,6 +365,9 @@ class Engine:
         self.shutdown()
 
 
+_WAKE_TAGS = ("weights", "kv_cache", "cuda_graph")  # rollout.model_executor.memory_saver.TAGS (not imported here: torch)
+
+
 def _load_tokenizer(config: EngineConfig) -> Any:
     from transformers import AutoTokenizer
 
@@ -359,5 +378,7 @@ def _load_tokenizer(config: EngineConfig) -> Any:
 
 
 def _shutdown(tokenizer_manager: TokenizerManager, procs: Any) -> None:
-    tokenizer_manager.close()
-    procs.stop()
+    try:
+        tokenizer_manager.close()
+    finally:  # the children are stopped and reaped, and the IPC directory removed, whatever close raised
+        procs.stop()

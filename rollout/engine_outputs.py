@@ -49,10 +49,14 @@ async def run_batch_async(tm: TokenizerManager, items: list[PromptItem]) -> list
 
 class RequestStream(Iterator[RequestOutput]):
     """The delta chunks of submitted requests. Breaking off, ``close()``, or dropping the stream (even before
-    its first chunk, when a generator's ``finally`` would never run) aborts whatever is unfinished."""
+    its first chunk, when a generator's ``finally`` would never run) aborts whatever is unfinished. The stream
+    keeps its ``owner`` (the Engine) alive, as a method's generator keeps its object: an engine that only the
+    stream still refers to is not shut down under it."""
 
-    def __init__(self, tm: TokenizerManager, states: list[ReqState], chunks: Iterator[RequestOutput]) -> None:
+    def __init__(self, tm: TokenizerManager, states: list[ReqState], chunks: Iterator[RequestOutput],
+                 owner: object = None) -> None:
         self._chunks = chunks
+        self._owner = owner
         self._on_drop = _abort_when_dropped(self, tm, states)
 
     def __iter__(self) -> "RequestStream":
@@ -69,8 +73,10 @@ class RequestStream(Iterator[RequestOutput]):
 class AsyncRequestStream(AsyncIterator[RequestOutput]):
     """``RequestStream`` for asyncio callers (``aclose()`` closes it)."""
 
-    def __init__(self, tm: TokenizerManager, states: list[ReqState], chunks: AsyncIterator[RequestOutput]) -> None:
+    def __init__(self, tm: TokenizerManager, states: list[ReqState], chunks: AsyncIterator[RequestOutput],
+                 owner: object = None) -> None:
         self._chunks = chunks
+        self._owner = owner
         self._on_drop = _abort_when_dropped(self, tm, states)
 
     def __aiter__(self) -> "AsyncRequestStream":
@@ -98,12 +104,13 @@ def _abort_when_dropped(owner: object, tm: TokenizerManager, states: list[ReqSta
     return finalizer
 
 
-def stream(tm: TokenizerManager, items: list[PromptItem]) -> RequestStream:
-    """Submit now (like any request), then iterate over delta chunks as they arrive."""
+def stream(tm: TokenizerManager, items: list[PromptItem], owner: object = None) -> RequestStream:
+    """Submit now (like any request), then iterate over delta chunks as they arrive (the stream keeps ``owner``
+    alive)."""
     updates: queue.Queue = queue.Queue()
     states = tm.submit_batch([(prompt, ids, params, updates.put, rid) for prompt, ids, params, rid in items],
                              stream=True)
-    return RequestStream(tm, states, _iterate(tm, states, updates))
+    return RequestStream(tm, states, _iterate(tm, states, updates), owner)
 
 
 def _iterate(tm: TokenizerManager, states: list[ReqState], updates: queue.Queue) -> Iterator[RequestOutput]:
@@ -118,13 +125,13 @@ def _iterate(tm: TokenizerManager, states: list[ReqState], updates: queue.Queue)
         _abort_unfinished(tm, states)
 
 
-def astream(tm: TokenizerManager, items: list[PromptItem]) -> AsyncRequestStream:
+def astream(tm: TokenizerManager, items: list[PromptItem], owner: object = None) -> AsyncRequestStream:
     """``stream`` for asyncio callers: an async iterator of delta chunks."""
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue = asyncio.Queue()
     sink = lambda state: _call_soon(loop, updates.put_nowait, state)  # noqa: E731
     states = tm.submit_batch([(prompt, ids, params, sink, rid) for prompt, ids, params, rid in items], stream=True)
-    return AsyncRequestStream(tm, states, _aiterate(tm, states, updates))
+    return AsyncRequestStream(tm, states, _aiterate(tm, states, updates), owner)
 
 
 async def _aiterate(tm: TokenizerManager, states: list[ReqState], updates: asyncio.Queue

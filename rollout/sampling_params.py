@@ -97,15 +97,27 @@ class SamplingParams:
         """Accept our own object, a plain dict of vLLM/SGLang field names, or None (defaults)."""
         if params is None:
             return cls()
-        if isinstance(params, SamplingParams):
+        if isinstance(params, SamplingParams):  # checked again: its fields may have been set since it was made
+            params._normalize()
+            params.verify()
             return params
         if isinstance(params, Mapping):
             return cls(**{k: v for k, v in params.items() if v is not None or k in _NONE_MEANS_SOMETHING})
         raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(params).__name__}")
 
-    @property
-    def max_tokens(self) -> int | None:
-        return self.max_new_tokens
+    # vLLM's / SGLang's names, readable and settable (``params.max_tokens = 64``, as veRL's update_sampling_params does)
+    max_tokens = property(lambda self: self.max_new_tokens, lambda self, v: setattr(self, "max_new_tokens", v))
+    min_tokens = property(lambda self: self.min_new_tokens, lambda self, v: setattr(self, "min_new_tokens", v))
+    sampling_seed = property(lambda self: self.seed, lambda self, v: setattr(self, "seed", v))
+    no_stop_trim = property(lambda self: self.include_stop_str_in_output,
+                            lambda self, v: setattr(self, "include_stop_str_in_output", v))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Only parameters may be set (a misspelt one was kept as an attribute nobody reads); a set value is
+        checked when the params are used (``from_any``)."""
+        if name not in _FIELD_NAMES and not isinstance(getattr(type(self), name, None), property):
+            raise AttributeError(f"unknown sampling parameter {name!r}")
+        object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
@@ -168,6 +180,9 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def _check_int(p: SamplingParams, name: str, lo: int | None = None, hi: int | None = None) -> None:

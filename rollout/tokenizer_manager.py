@@ -12,6 +12,7 @@ import itertools
 import logging
 import random
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -31,6 +32,7 @@ from rollout.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
+_LIVENESS_CHECK_S = 0.5  # how often the receiver checks that every engine subprocess is alive
 
 
 class TokenizerManager:
@@ -48,7 +50,7 @@ class TokenizerManager:
         self.recv = socket(self.ctx, zmq.PULL, paths.tokenizer, bind=True)
         self.to_scheduler = socket(self.ctx, zmq.PUSH, paths.scheduler, bind=False)
         self.to_detokenizer = socket(self.ctx, zmq.PUSH, paths.detokenizer, bind=False)
-        self.send_lock = threading.Lock()
+        self.send_lock = threading.RLock()  # re-entrant: ``close`` may run in a finalizer on a thread that holds it
         self.to_abort: collections.deque[str] = collections.deque()  # abort_soon's requests, for the receiver
         self.states: dict[str, ReqState] = {}
         self.sub_to_state: dict[str, tuple[ReqState, int]] = {}
@@ -125,6 +127,7 @@ class TokenizerManager:
             states.append(state)
             msgs += self._sequences(state, stream)
         with self.send_lock:
+            self._check_open()
             self._check_ids_free(states)
             for state in states:
                 self.states[state.rid] = state
@@ -185,6 +188,8 @@ class TokenizerManager:
         else:
             return False
         with self.send_lock:
+            if self.closing:  # shut down: every request has failed (or is failing) already
+                return False
             for sub in subs:
                 self.to_scheduler.send_pyobj(AbortReq(sub))
         return True
@@ -193,10 +198,14 @@ class TokenizerManager:
 
     def control_async(self, req: ControlReq) -> Future:
         """Run a control call (its handler: ``Scheduler.control_handlers[type(req)]``) on every TP rank; the
-        Future holds rank 0's result."""
+        Future holds rank 0's result. It is running from the start (sent, the call will run whatever the caller
+        does), so ``cancel()`` returns False instead of pretending the call will not run: a cancelled
+        ``update_weights_from_tensor`` freed the tensors it shares while the engine still loaded them."""
         self._check_alive()
         fut: Future = Future()
+        fut.set_running_or_notify_cancel()
         with self.send_lock:
+            self._check_open()
             req.cid = next(self.control_ids)
             self.controls[req.cid] = fut
             self.to_scheduler.send_pyobj(req)
@@ -208,13 +217,23 @@ class TokenizerManager:
     # ---- receiving ----------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
+        next_check = time.monotonic() + _LIVENESS_CHECK_S
         while not self.closing:
-            while self.to_abort:
-                self.abort(self.to_abort.popleft())
             try:
-                if not self.recv.poll(500):
-                    if not self.closing and not self.is_alive():
-                        self._fail_all("an engine subprocess died unexpectedly")
+                while self.to_abort:
+                    self.abort(self.to_abort.popleft())
+            except zmq.ZMQError:
+                if self.closing:
+                    return
+                raise
+            # every half second, busy or idle: a stream of control replies (a poller of get_load, /metrics) must
+            # not keep a dead child (the detokenizer) from being seen, or its requests wait forever
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + _LIVENESS_CHECK_S
+                if not self.closing and not self.is_alive():
+                    self._fail_all("an engine subprocess died unexpectedly")
+            try:
+                if not self.recv.poll(int(_LIVENESS_CHECK_S * 1000)):
                     continue
                 msg = self.recv.recv_pyobj()
             except zmq.ZMQError:
@@ -277,6 +296,14 @@ class TokenizerManager:
         if self.dead is not None:
             raise RuntimeError(f"the engine is not running: {self.dead}")
 
+    def _check_open(self) -> None:
+        """``_check_alive`` under ``send_lock``, right before a send: a ``close`` that ran since the caller's first
+        check has failed every request and call it knew of (or is about to), so one registered now would wait
+        forever, and its sockets may be closed already (a raw ZMQError)."""
+        if self.closing:
+            raise RuntimeError(f"the engine is not running: {self.dead or 'the engine was shut down'}")
+        self._check_alive()
+
     # ---- outputs ------------------------------------------------------------------------------
 
     def build_output(self, state: ReqState, delta: bool = False) -> RequestOutput:
@@ -295,7 +322,8 @@ class TokenizerManager:
     # ---- shutdown -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Ask the scheduler and detokenizer to exit, stop the receiver, close the sockets."""
+        """Ask the scheduler and detokenizer to exit, stop the receiver, close the sockets. Safe from any thread,
+        the receiver's included: the engine's finalizer runs wherever the garbage collector frees it."""
         if self.closing:
             return
         self.closing = True
@@ -306,7 +334,8 @@ class TokenizerManager:
                         sock.send_pyobj(ShutdownReq(), zmq.NOBLOCK)
                     except zmq.ZMQError:
                         pass
-            self.thread.join(timeout=2)
+            if threading.current_thread() is not self.thread:  # a finalizer may run in the receiver itself
+                self.thread.join(timeout=2)
             self._fail_all("the engine was shut down")
         finally:  # whatever failed above: a context left open hangs the garbage collector's ``term`` later
             for sock in (self.recv, self.to_scheduler, self.to_detokenizer):

@@ -53,16 +53,16 @@ def test_sleep_level_1_releases_memory_and_wakes_up_exact(sleepy, path, hf_refer
     assert dropped >= 0.8 * (weight_bytes + kv_bytes), (dropped, weight_bytes, kv_bytes)
     with pytest.raises(RuntimeError, match="asleep.*wake_up"):
         sleepy.generate(prompt_token_ids=PROMPTS[:1], use_tqdm=False)
-    with pytest.raises(ValueError, match="already released"):
-        sleepy.sleep(level=1)
+    assert sleepy.sleep(level=1) == state  # vLLM: sleeping again warns and does nothing
     with pytest.raises(ValueError, match="weights' memory is released"):
         sleepy.update_weights_from_tensor(list(_changed_model(path, 1.1).named_parameters()))
     for read in (lambda: sleepy.get_weights_by_name("model.norm.weight", 4), sleepy.weights_fingerprint):
         with pytest.raises(ValueError, match="before reading them"):  # the released storage crashed the scheduler
             read()
     assert sleepy.wake_up()["sleeping"] is False and not sleepy.is_sleeping()
+    assert sleepy.wake_up()["sleeping"] is False  # vLLM: waking an awake engine warns and does nothing
     with pytest.raises(ValueError, match="awake"):
-        sleepy.wake_up()
+        sleepy.resume_memory_occupation()  # SGLang's call refuses
     assert sleepy.weights_fingerprint() == fp, "the refused push changed nothing"
     assert _greedy(sleepy) == [hf.greedy(p, 8) for p in PROMPTS]
     assert sleepy.get_server_info()["kv_used"] == 0
@@ -166,9 +166,55 @@ def test_sleep_and_wake_up_over_http(path, hf_reference):
             client.release_memory_occupation(["kv_cache"])
         assert client.wake_up(["weights"])["released"] == ["kv_cache", "cuda_graph"]
         assert client.resume_memory_occupation()["sleeping"] is False and not client.is_sleeping()
+        assert client.wake_up()["sleeping"] is False  # vLLM's call: a warning, not an error
         with pytest.raises(ValueError, match="awake"):
-            client.wake_up()
+            client.resume_memory_occupation()
         out = client.generate(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 8, "temperature": 0,
                                                                         "ignore_eos": True})
         assert out["output_ids"] == hf_reference(path).greedy([5, 6, 7, 8], 8)
         client.close()
+
+
+def test_a_release_refused_for_requests_that_came_while_it_waited_says_so(sleepy):
+    """A sleep waits for the running requests and holds new ones back meanwhile; one that arrived then makes the
+    release a ValueError (SGLang releases only an idle engine) that says what happened: no pause was involved
+    (it said "held by pause_generation")."""
+    import threading
+
+    long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+    stream = sleepy.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=long, stream=True)
+    next(stream)
+    result: dict[str, object] = {}
+
+    def sleep() -> None:
+        try:
+            result["state"] = sleepy.sleep(level=1)
+        except ValueError as e:
+            result["error"] = str(e)
+
+    thread = threading.Thread(target=sleep)
+    thread.start()
+    thread.join(0.2)  # the release is queued behind the running request
+    late = sleepy.generate(prompt_token_ids=[[5, 6, 8]], sampling_params=GREEDY, stream=True)
+    assert list(stream)[-1].outputs[0].finish_reason == "length"
+    thread.join(60)
+    assert "arrived while this release waited" in result.get("error", ""), result
+    assert "pause_generation (retracted" not in result["error"]
+    assert list(late)[-1].outputs[0].finish_reason == "length" and not sleepy.is_sleeping()
+
+
+def test_sleep_and_wake_up_are_idempotent_as_in_vllm(sleepy):
+    """vLLM's executor warns and returns when asked to sleep while asleep or to wake up while awake (or to wake
+    a tag that is not asleep); a vLLM-style loop that wakes its engines defensively must not fail. SGLang's
+    release / resume calls keep refusing."""
+    assert sleepy.wake_up()["sleeping"] is False
+    state = sleepy.sleep(level=1)
+    assert sleepy.sleep(level=2) == state and sleepy.get_weight_state()["state"] == "consistent"
+    assert sleepy.wake_up(["weights"])["released"] == ["kv_cache", "cuda_graph"]
+    assert sleepy.wake_up(["weights"])["released"] == ["kv_cache", "cuda_graph"]  # not asleep: nothing to do
+    with pytest.raises(ValueError, match="unknown memory tags"):
+        sleepy.wake_up(["vram"])
+    assert sleepy.wake_up()["sleeping"] is False and sleepy.wake_up()["sleeping"] is False
+    with pytest.raises(ValueError, match="awake"):
+        sleepy.resume_memory_occupation()
+    assert sleepy.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY, use_tqdm=False)[0].finished

@@ -28,9 +28,10 @@ from rollout.weights.updater import WeightUpdater
 
 class MemoryOccupation:
     def __init__(self, runner: ModelRunner, cache: KVCacheManager, updater: WeightUpdater,
-                 held: Callable[[], tuple[int, int]]) -> None:
-        """``held()``: (requests still holding KV: paused in place, requests waiting: held by a pause) when a
-        release runs."""
+                 held: Callable[[], tuple[int, int, str | None]]) -> None:
+        """``held()``: (requests still holding KV: paused in place, requests waiting, the pause mode or None) when
+        a release runs: waiting requests are held by a pause, or else arrived while the release waited for the
+        running ones (it holds new requests back)."""
         self.runner = runner
         self.cache = cache
         self.updater = updater
@@ -45,14 +46,18 @@ class MemoryOccupation:
     def release(self, req: ReleaseMemoryOccupationReq) -> dict[str, Any]:
         """Release ``req.tags`` (all by default)."""
         tags = _check_tags(req.tags)
-        running, waiting = self.held()
+        running, waiting, paused = self.held()
         already = [t for t in tags if t in self.released]
         if already:
             raise ValueError(f"memory already released: {already} (the engine is asleep; wake_up() first)")
         if running:
             raise ValueError(f"{running} requests are paused in place and hold KV: abort them or let them "
                              "finish before releasing memory")
-        if waiting:  # a release would fail them: they were accepted
+        if waiting and paused is None:  # a release would fail them: they were accepted
+            raise ValueError(f"{waiting} requests arrived while this release waited for the running ones and wait "
+                             "behind it: let them finish or abort them, or call pause_generation() first so that no "
+                             "new request starts, before releasing memory")
+        if waiting:
             raise ValueError(f"{waiting} requests are held by pause_generation (retracted, or sent while paused): "
                              "continue_generation() and let them finish, or abort them, before releasing memory")
         if "weights" in tags and self.updater.state == "updating":

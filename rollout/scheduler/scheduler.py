@@ -72,7 +72,8 @@ class Scheduler:
                                     self.runner.shared_prefix_members, self.runner.attn_backend.wants_balanced_decode)
         updater = WeightUpdater(self.runner.weight_map, device, keep_copy=config.keep_weight_copy)
         self.memory = MemoryOccupation(self.runner, self.cache, updater,
-                                       lambda: (len(self.running) + len(self._chunked_reqs()), len(self.waiting)))
+                                       lambda: (len(self.running) + len(self._chunked_reqs()), len(self.waiting),
+                                                self.paused))
         self.weights = WeightSync(updater, tp, device, self.cache, config.weight_version, self.memory.update_problem)
         self.reply = send_reply or (lambda reply: None)
         self.update_queue: deque[ExclusiveReq] = deque()  # calls waiting for no request in flight

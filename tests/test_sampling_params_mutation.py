@@ -1,0 +1,41 @@
+"""SamplingParams set after construction, as vLLM users do (veRL's ``update_sampling_params`` sets
+``max_tokens``, ``n``, ``logprobs``, ... on a shared object): vLLM's names are settable, a misspelt name is an
+error, and a value set out of range is the same ValueError for that call as at construction. Passed through
+unchecked before, ``logprobs=1000`` killed the scheduler (every caller failed, the engine was dead), ``n=0``
+hung its caller, ``max_tokens`` could not be set and ``min_tokens`` was silently ignored."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout import SamplingParams
+
+
+def test_vllm_names_are_settable_and_honoured(engine):
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    params.max_tokens = 5
+    params.min_tokens = 5
+    assert (params.max_new_tokens, params.min_new_tokens) == (5, 5)
+    out = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 5
+    with pytest.raises(AttributeError, match="max_token"):
+        params.max_token = 3  # misspelt: it was kept as an attribute nobody reads
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("logprobs", 1000, "logprobs must be in"),
+    ("prompt_logprobs", 600, "prompt_logprobs must be in"),
+    ("n", 0, "n must be in"),
+    ("temperature", -1.0, "temperature"),
+    ("max_new_tokens", -3, "max_new_tokens"),
+    ("top_p", 0.0, "top_p"),
+])
+def test_a_value_set_out_of_range_is_refused_for_that_call_only(engine, field, value, words):
+    params = SamplingParams(max_tokens=4)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=words):
+        engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)
+    assert engine.tokenizer_manager.dead is None
+    out = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4, logprobs=2),
+                          use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_logprobs) == 4
