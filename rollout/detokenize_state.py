@@ -179,10 +179,7 @@ class IncrementalDetokenizer:
     def _skipped_ids(self) -> frozenset[int]:
         """Ids that ``decode(skip_special_tokens=True)`` drops; computed once, on first need."""
         if self._special_ids is None:
-            ids = set(getattr(self.tokenizer, "all_special_ids", []) or [])
-            added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
-            ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
-            self._special_ids = frozenset(ids)
+            self._special_ids = skipped_special_ids(self.tokenizer)
         return self._special_ids
 
     # -- stop strings ----------------------------------------------------------------------------
@@ -250,3 +247,12 @@ def _partial_stop_start(text: str, stop: Sequence[str], max_stop_len: int) -> in
         if any(len(s) > k and s.startswith(tail) for s in stop):
             return len(text) - k
     return len(text)
+
+
+def skipped_special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids that ``tokenizer.decode(..., skip_special_tokens=True)`` drops: its special ids and the added
+    tokens marked special."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
+    return frozenset(ids)

@@ -174,8 +174,16 @@ class SamplingParams:
             raise ValueError("stop strings are only supported when detokenize is True")
 
     def clone(self, **changes: Any) -> "SamplingParams":
+        """A copy with ``changes``, by any accepted name (``clone(max_tokens=8)``: vLLM's and SGLang's aliases too;
+        each alias was passed beside its own field and refused as naming the same setting twice)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        values.update(changes)
+        seen: dict[str, str] = {}
+        for key, value in changes.items():
+            target = _ALIASES.get(key, key)
+            if target in seen:
+                raise ValueError(f"sampling parameters {seen[target]!r} and {key!r} name the same setting")
+            seen[target] = key
+            values[target] = value
         return SamplingParams(**values)
 
     def to_dict(self) -> dict[str, Any]:

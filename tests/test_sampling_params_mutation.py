@@ -39,3 +39,14 @@ def test_a_value_set_out_of_range_is_refused_for_that_call_only(engine, field, v
     out = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4, logprobs=2),
                           use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_logprobs) == 4
+
+
+def test_clone_takes_vllm_and_sglang_names():
+    """``clone(max_tokens=8)`` raised "'max_new_tokens' and 'max_tokens' name the same setting": every field was
+    passed by its own name beside the alias."""
+    base = SamplingParams(temperature=0.5, max_tokens=4, stop=["x"])
+    copy = base.clone(max_tokens=8, min_tokens=2, sampling_seed=3, no_stop_trim=True)
+    assert (copy.max_new_tokens, copy.min_new_tokens, copy.seed, copy.include_stop_str_in_output) == (8, 2, 3, True)
+    assert (copy.temperature, copy.stop, base.max_new_tokens) == (0.5, ["x"], 4)
+    with pytest.raises(ValueError, match="name the same setting"):
+        base.clone(max_tokens=8, max_new_tokens=9)

@@ -165,6 +165,44 @@ def test_stop_string_inside_a_byte_fallback_group(name, stop):
     assert got_text == full[:full.find(stop)]
 
 
+@pytest.mark.parametrize("name", ["sentencepiece_llama", "sentencepiece_metaspace"])
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_with_a_leading_space_in_the_first_output_tokens(name, include):
+    """vLLM decodes the output after the prompt, so a SentencePiece "▁friend" that starts the output reads
+    " friend" and the stop string " friend" ends the request there. Decoded alone, the decoder strips that
+    space: the scheduler missed the stop and the request ran on with " friend" in its text."""
+    tok = _BUILDERS[name]()
+    full = tok.encode("Hello there friend", add_special_tokens=False)
+    cut = max(k for k, t in enumerate(tok.convert_ids_to_tokens(full)) if k > 0 and t.startswith("\u2581"))
+    prompt, ids = full[:cut], full[cut:]
+    stop = _decode(tok, full)[len(_decode(tok, prompt)):]
+    assert stop.startswith(" ") and not _decode(tok, ids).startswith(" ")
+    params = SamplingParams(max_new_tokens=len(ids) + 5, stop=[stop], include_stop_str_in_output=include)
+    req = Req(GenerateReq("r", prompt, params, seed=0), (), context_len=100_000)
+    det = IncrementalDetokenizer(tok, True, True, params.stop, include, prompt_token_ids=prompt)
+    for tid in ids + tok.encode(" and more", add_special_tokens=False):
+        req.output_ids.append(tid)
+        req.check_finished(tok)
+        det.step([tid], req.finished is not None, req.finished.matched if req.finished else None)
+        if req.finished is not None:
+            break
+    assert (len(req.output_ids), req.finished.type, req.finished.matched) == (len(ids), "stop", stop)
+    assert det.text == (stop if include else "")
+
+
+@pytest.mark.parametrize("specials", [1, 3, 40])
+def test_stop_string_across_special_tokens_the_text_leaves_out(byte_level, specials):
+    """With skip_special_tokens the text (vLLM's and the detokenizer's) reads "HelloYes!" whatever special tokens
+    sit between "Yes" and "!", so the stop string "Yes!" ends the request at "!"; a window of the stop's bytes + 1
+    ids held only the special tokens and "!" and missed it."""
+    special = byte_level.convert_tokens_to_ids("<|im_start|>")
+    head = byte_level.encode("HelloYes", add_special_tokens=False)
+    ids = head + [special] * specials + byte_level.encode("! more text", add_special_tokens=False)
+    params = SamplingParams(max_new_tokens=len(ids), stop=["Yes!"])
+    used, reason, text, _ = _run_engine_side(byte_level, ids, params)
+    assert (used, reason.type, reason.matched, text) == (len(head) + specials + 1, "stop", "Yes!", "Hello")
+
+
 def test_stop_reason_is_none_for_eos_and_the_id_for_a_stop_token(byte_level):
     """vLLM's ``CompletionOutput.stop_reason``: None when EOS ended the sequence, else the stop token id."""
     eos = byte_level.convert_tokens_to_ids("<|im_end|>")

@@ -67,16 +67,18 @@ class BackgroundTokenizer:
     otherwise stall every running request for the seconds a load takes)."""
 
     def __init__(self, config: EngineConfig) -> None:
+        import importlib
         import threading
 
         self._path = config.tokenizer_path or config.model_path
         self._value: Any = None
         self._error: BaseException | None = None
+        self._skipped: frozenset[int] | None = None
         self._thread = None
         if not config.skip_tokenizer_init:
             # transformers' first import is not thread-safe (another thread's ``from transformers import X``
             # meanwhile fails ~1 time in 3 with an ImportError); once imported, concurrent imports are fine
-            import transformers  # noqa: F401
+            importlib.import_module("transformers")
 
             self._thread = threading.Thread(target=self._load, name="tokenizer-load", daemon=True)
             self._thread.start()
@@ -88,6 +90,14 @@ class BackgroundTokenizer:
             self._value = AutoTokenizer.from_pretrained(self._path)
         except BaseException as e:  # noqa: BLE001 - reported when the tokenizer is first needed
             self._error = e
+
+    def skipped_ids(self) -> frozenset[int]:
+        """``skipped_special_ids`` of the tokenizer, found once (stop-string matching asks on every token)."""
+        if self._skipped is None:
+            from rollout.detokenize_state import skipped_special_ids
+
+            self._skipped = skipped_special_ids(self.get())
+        return self._skipped
 
     def get(self) -> Any:
         if self._thread is not None:

@@ -4,13 +4,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout.detokenize_state import REPLACEMENT_CHAR
+from rollout.detokenize_state import REPLACEMENT_CHAR, SEED_PROMPT_TOKENS, skipped_special_ids
 from rollout.io_struct import FinishReason, GenerateReq
 from rollout.sampling_params import SamplingParams
 
 # how many tokens the stop-string window may grow backwards to start at a whole character (a byte-fallback
 # tokenizer decodes a run of <0xNN> tokens as one group, all U+FFFD until it is complete)
 _MAX_WINDOW_WIDENING = 64
+# how many ids without text (special tokens that skip_special_tokens drops) the stop-string window may span
+_MAX_ZERO_WIDTH_IDS = 1024
+
+
+def _window_start(ids: list[int], count: int, zero_width: frozenset[int]) -> int:
+    """Where the last ``count`` ids of ``ids`` that add text start, the ids in ``zero_width`` among them not
+    counted (at most ``_MAX_ZERO_WIDTH_IDS`` of them)."""
+    lo, skipped = len(ids), 0
+    while lo > 0 and count > 0:
+        lo -= 1
+        if ids[lo] in zero_width and skipped < _MAX_ZERO_WIDTH_IDS:
+            skipped += 1
+        else:
+            count -= 1
+    return lo
 
 
 class Req:
@@ -120,8 +135,9 @@ class Req:
         """The tokens in flight already end this request by length, whatever their values."""
         return self.inflight_tokens > 0 and len(self.output_ids) + self.inflight_tokens >= self.max_output
 
-    def check_finished(self, tokenizer: Any) -> None:
-        """Set ``finished`` if the newest token ends the request (order: stop id, stop string, length)."""
+    def check_finished(self, tokenizer: Any, skipped_ids: frozenset[int] | None = None) -> None:
+        """Set ``finished`` if the newest token ends the request (order: stop id, stop string, length).
+        ``skipped_ids``: the tokenizer's ``skipped_special_ids`` if the caller keeps them (else found here)."""
         p = self.sampling
         last = self.output_ids[-1]
         n = len(self.output_ids)
@@ -131,30 +147,48 @@ class Req:
                 self.finished = FinishReason("stop", matched=last, eos=eos)
                 return
             if p.stop and tokenizer is not None:
-                matched = self._match_stop_string(tokenizer)
+                matched = self._match_stop_string(tokenizer, skipped_ids)
                 if matched is not None:
                     self.finished = FinishReason("stop", matched=matched)
                     return
         if n >= self.max_output:
             self.finished = FinishReason("length")
 
-    def _match_stop_string(self, tokenizer: Any) -> str | None:
+    def _match_stop_string(self, tokenizer: Any, skipped_ids: frozenset[int] | None) -> str | None:
         """The first stop string (in the list's order) that occurs in the decoded last tokens and ends past
         the text of the first ``min_new_tokens`` output tokens (vLLM's ``min_tokens``: none counts before)."""
         n, m = len(self.output_ids), self.sampling.min_new_tokens
         if n <= m:
             return None
         skip = self.sampling.skip_special_tokens
-        lo = max(n - (self.stop_tail_len + 1), 0)
-        tail = tokenizer.decode(self.output_ids[lo:], skip_special_tokens=skip)
+        # special tokens that the text leaves out take no part of the stop string: a window of its bytes + 1
+        # ids missed "Yes!" in "Yes" <special> <special> <special> "!" (vLLM's text reads "Yes!")
+        zero_width = frozenset() if not skip else skipped_ids if skipped_ids is not None else \
+            skipped_special_ids(tokenizer)
+        lo = _window_start(self.output_ids, self.stop_tail_len + 1, zero_width)
+        tail = self._decode_output(tokenizer, lo, n, skip)
         floor = max(lo - _MAX_WINDOW_WIDENING, 0)
         while tail.startswith(REPLACEMENT_CHAR) and lo > floor:  # it starts inside a character or inside a
             lo = max(floor, lo - (n - lo))                       # byte-fallback group: double it
-            tail = tokenizer.decode(self.output_ids[lo:], skip_special_tokens=skip)
+            tail = self._decode_output(tokenizer, lo, n, skip)
         start = 0
         if m > lo:  # text of the first m output tokens in the window: no stop string may end within it
-            start = len(tokenizer.decode(self.output_ids[lo:m], skip_special_tokens=skip).rstrip(REPLACEMENT_CHAR))
+            start = len(self._decode_output(tokenizer, lo, m, skip).rstrip(REPLACEMENT_CHAR))
         for stop in self.sampling.stop:
             if tail.find(stop, max(0, start - len(stop) + 1)) >= 0:
                 return stop
         return None
+
+    def _decode_output(self, tokenizer: Any, lo: int, hi: int, skip: bool) -> str:
+        """The text of ``output_ids[lo:hi]``; from the output's start (``lo == 0``) as it reads after the prompt's
+        last tokens, as the detokenizer (and vLLM) shows it: decoded alone, a SentencePiece decoder (Llama 2,
+        Mistral) strips the first token's leading space, and a stop string " foo" in the first tokens was missed."""
+        ids = self.output_ids[lo:hi]
+        if lo == 0 and self.prompt_ids:
+            seed = self.prompt_ids[-SEED_PROMPT_TOKENS:]
+            base = tokenizer.decode(seed, skip_special_tokens=skip)
+            if not base.endswith(REPLACEMENT_CHAR):  # else the prompt ends inside a character: no seed
+                full = tokenizer.decode(seed + ids, skip_special_tokens=skip)
+                if full.startswith(base):
+                    return full[len(base):]
+        return tokenizer.decode(ids, skip_special_tokens=skip)

@@ -59,7 +59,10 @@ class ResultProcessor:
             k = req.sampling.logprobs or 0
             top = list(zip(top_ids[j][:k], top_lps[j][:k])) if k and top_ids is not None else None
             req.append_token(ids[j], lps[j], top, ranks[j], step.weight_version)
-            req.check_finished(self.tokenizer.get() if req.sampling.stop else None)
+            if req.sampling.stop:
+                req.check_finished(self.tokenizer.get(), self.tokenizer.skipped_ids())
+            else:
+                req.check_finished(None)
             self.stats.gen_tokens += 1
             if req.finished is not None:
                 self.running.remove(req)
