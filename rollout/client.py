@@ -110,7 +110,7 @@ class EngineClient:
     def get_weight_state(self) -> dict[str, Any]:
         return self._call("GET", "/get_weight_state")
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         return self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 
     def weights_fingerprint(self) -> str:

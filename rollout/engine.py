@@ -260,15 +260,22 @@ class Engine:
             check_finite=check_finite), async_op)
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                 async_op: bool = False) -> Any:
-        """Reload every parameter from a checkpoint directory (validated against its headers first)."""
+                                 async_op: bool = False, *, load_format: str | None = None) -> Any:
+        """Reload every parameter from a checkpoint directory (validated against its headers first).
+        ``load_format``: SGLang's keyword; None, "auto" and "safetensors" read the safetensors files."""
+        if load_format not in (None, "auto", "safetensors"):
+            raise ValueError(f"unsupported load_format {load_format!r} (use None, 'auto' or 'safetensors')")
         return self._call(UpdateWeightsFromDiskReq(model_path=str(model_path), weight_version=weight_version),
                           async_op)
 
     def update_weights_from_tensor(self, named_tensors: Any, weight_version: str | None = None,
                                    flush_cache: bool = True, check_finite: bool = False,
-                                   async_op: bool = False) -> Any:
-        """Load tensors from a colocated trainer: CUDA IPC handles on GPU, one shared-memory buffer on CPU."""
+                                   async_op: bool = False, *, load_format: str | None = None) -> Any:
+        """Load tensors from a colocated trainer: CUDA IPC handles on GPU, one shared-memory buffer on CPU.
+        ``load_format``: SGLang's keyword; None and "direct" load the (name, tensor) pairs as given."""
+        if load_format not in (None, "direct"):
+            raise ValueError(f"unsupported load_format {load_format!r}: pass (name, tensor) pairs with None or "
+                             "'direct' (a flattened bucket goes through update_weights_from_distributed)")
         from rollout.weights.ipc_protocol import IpcHandleCache
         from rollout.weights.shared_tensors import share
 
@@ -329,8 +336,9 @@ class Engine:
         """{"state": consistent | updating | inconsistent, "reason", "updated", "total", ...}."""
         return self._call(GetWeightStateReq())
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
-        """The first ``truncate_size`` values of an HF-named parameter, gathered over TP ranks."""
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first ``truncate_size`` rows of an HF-named parameter (values of a 1-D one), gathered over TP ranks:
+        SGLang's ``param.tolist()[:truncate_size]``, transformers' ``get_parameter(name)[:truncate_size]``."""
         return self._call(GetWeightsByNameReq(name=name, truncate_size=truncate_size))
 
     def weights_fingerprint(self) -> str:

@@ -46,7 +46,7 @@ class EngineHandle(Protocol):
 
     def weights_fingerprint(self) -> str: ...
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]: ...
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]: ...
 
     def flush_cache(self) -> bool: ...
 
@@ -113,7 +113,7 @@ class ForwardingEngineHandle:
     def weights_fingerprint(self) -> str:
         return self._call("weights_fingerprint", False)
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         return self._call("get_weights_by_name", False, name=name, truncate_size=truncate_size)
 
     def flush_cache(self) -> bool:

@@ -152,6 +152,8 @@ def test_abort_a_running_request(engine):
     (dict(prompts=["hi"], sampling_params={"stop_token_ids": [10**6]}), "stop_token_ids"),
     (dict(prompts=["hi"], sampling_params={"logprobs": 50}), "logprobs"),
 ])
+
+
 def test_bad_input_is_a_clear_value_error_and_the_engine_keeps_serving(engine, bad, match):
     with pytest.raises(ValueError, match=match):
         engine.generate(use_tqdm=False, **bad)
@@ -260,3 +262,65 @@ def test_two_engines_in_one_process(engine, tiny_dir, hf_reference, path):
     for name, p in (("a", path), ("b", other_path)):
         for prompt, out in zip(prompts, results[name]):
             assert out.outputs[0].token_ids == hf_reference(p).greedy(prompt, 10)
+
+
+@pytest.mark.parametrize("rank_offset, world_size", [(0, 2), (-1, 2), (2, 2)])
+def test_weight_update_group_ranks_are_checked_before_joining(engine, rank_offset, world_size):
+    """Rank 0 of the group is the trainer: an engine joining as rank 0 would be the broadcast's source and load its
+    own scratch buffer as the new weights (reported a success); a rank past the group would wait for its timeout.
+    Refused at once, as the HTTP server and the Ray actor refuse it."""
+    from rollout.ipc import free_port
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="rank_offset"):
+        engine.init_process_group("127.0.0.1", free_port(), rank_offset, world_size, "ranks", backend="gloo", timeout=5)
+    assert time.monotonic() - start < 4
+    assert engine.get_weight_state()["groups"] == []
+
+
+def test_get_weights_by_name_gives_the_first_rows_as_sglang_does(engine, path, hf_reference):
+    """SGLang returns ``param.tolist()[:truncate_size]`` (rows of a matrix), what its tests compare with
+    transformers' ``get_parameter(name)[:truncate_size].tolist()``; a flat list of the first values is not that."""
+    hf = hf_reference(path).model
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.norm.weight"):
+        assert engine.get_weights_by_name(name, 3) == hf.get_parameter(name).detach()[:3].tolist(), name
+
+
+def test_check_finite_checks_the_values_the_engine_would_store(engine):
+    """1e39 is finite in the float64 sent and inf in the float32 served (a bfloat16 1e5 in a float16 engine
+    likewise): check_finite refuses it instead of storing inf in a 'consistent' update."""
+    import torch
+
+    name = "model.norm.weight"
+    before, version = engine.get_weights_by_name(name, 64), engine.get_weight_version()
+    sent = torch.ones(64, dtype=torch.float64)
+    sent[0] = 1e39
+    with pytest.raises(ValueError, match="non-finite"):
+        engine.update_weights_from_tensor([(name, sent)], check_finite=True)
+    assert engine.get_weights_by_name(name, 64) == before and engine.get_weight_version() == version
+
+
+def test_sglangs_load_format_keyword_on_tensor_and_disk_updates(engine, path):
+    """SGLang's Engine.update_weights_from_tensor(named_tensors, load_format=None, flush_cache=True) and
+    update_weights_from_disk(model_path, load_format=None): callers passing load_format=None got a TypeError."""
+    import torch
+
+    name = "model.norm.weight"
+    values = torch.tensor(engine.get_weights_by_name(name, 64))
+    assert engine.update_weights_from_tensor([(name, values)], load_format=None, flush_cache=True)["complete"]
+    assert engine.update_weights_from_disk(path, load_format="auto")["complete"]
+    with pytest.raises(ValueError, match="load_format"):
+        engine.update_weights_from_tensor([(name, values)], load_format="flattened_bucket")
+    assert engine.get_weight_state()["state"] == "consistent"
+
+
+def test_a_version_named_during_an_update_session_names_the_pushed_weights(engine, path, hf_reference):
+    """Buckets sent with flush_cache=False, update_weight_version(v) (SGLang's way to name them), the last bucket
+    closes the session: the weights are v (they became 'v+1', a version nobody named)."""
+    named = [(n, p.detach()) for n, p in hf_reference(path).model.named_parameters()]
+    engine.update_weights_from_tensor(named[:5], flush_cache=False)
+    assert engine.get_weight_state()["state"] == "updating"
+    engine.update_weight_version("step-7")
+    assert engine.update_weights_from_tensor(named[5:])["weight_version"] == "step-7"
+    assert engine.get_weight_version() == "step-7" and engine.get_weight_state()["state"] == "consistent"
+    assert engine.update_weights_from_tensor(named)["weight_version"] == "step-7+1"  # a later push increments again

@@ -127,3 +127,29 @@ def _wait_for_tokens(engine, n: int, timeout: float = 60.0) -> None:
     while engine.get_server_info()["gen_tokens"] < n:
         assert time.monotonic() < deadline
         time.sleep(0.005)
+
+
+def test_an_output_reports_the_version_that_sampled_its_last_token(path):
+    """A request whose last step is read just before an in-flight update (the step in flight is read, then the
+    update runs, then outputs are sent) reported the update's version, although no token of it was sampled by
+    those weights. One request ends at every step here, so every update lands right after one ends."""
+    new = perturbed(path, seed=5)
+    named = list(new.named_parameters())
+    prompts = [[5 + i, 6, 7] for i in range(40)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=2 + i, ignore_eos=True) for i in range(40)]
+    import threading
+
+    with Engine(path, dtype="float32", device="cpu", update_weights_in_flight=True) as engine:
+        box = {}
+        worker = threading.Thread(target=lambda: box.setdefault("out", engine.generate(
+            prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)))
+        worker.start()
+        _wait_for_tokens(engine, 1)
+        for k in range(3):
+            engine.update_weights_from_tensor(named, weight_version=f"v{k}")
+        worker.join(120)
+    outs = box["out"]
+    assert len({o.outputs[0].token_weight_versions[-1] for o in outs}) > 1, "no update landed while requests ran"
+    wrong = [(o.outputs[0].token_weight_versions[-1], o.weight_version) for o in outs
+             if o.weight_version != o.outputs[0].token_weight_versions[-1]]
+    assert not wrong, wrong

@@ -172,7 +172,7 @@ def test_fp8_weight_updates_fingerprints_and_tp2(tiny_dir):
         assert tp1.weights_fingerprint() == tp2.weights_fingerprint() == fp_new
         name = "model.layers.1.mlp.down_proj.weight"
         wq, ws = quantize_fp8_rows(dict(model.named_parameters())[name].detach())
-        expect = dequantize_fp8_rows(wq, ws).flatten()[:50].tolist()
+        expect = dequantize_fp8_rows(wq, ws)[:50].tolist()
         assert tp1.get_weights_by_name(name, 50) == tp2.get_weights_by_name(name, 50) == expect
         outs = [e.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False) for e in (tp1, tp2)]
         tp1.rollback_weights()  # the kept copy holds the fp8 values and their scales

@@ -433,6 +433,41 @@ def test_a_call_refused_mid_session_keeps_the_engine_from_closing_it(hf_model, e
     assert out[0].outputs[0].token_ids == hf_reference(path).greedy([5, 6, 7], 6)
 
 
+
+def test_a_push_whose_first_call_is_refused_is_not_served_as_a_new_version(hf_model, engine):
+    """Bucket 1 is refused (a NaN under check_finite) before anything loaded, the other buckets load and the last
+    asks to close the update: the weights lack bucket 1's parameters, so (as when a later bucket is refused) the
+    engine marks them inconsistent and keeps the version; flush_cache() after a refusal starts afresh."""
+    import copy
+
+    from trainer_adapters import push_colocated
+
+    trained = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.mul_(1.03)
+    named = [(n, p.detach()) for n, p in trained.named_parameters()]
+    bad = [(n, t.clone()) for n, t in named[:2]]
+    bad[0][1][0, 0] = float("nan")
+    version = engine.get_weight_version()
+    with pytest.raises(ValueError, match="non-finite"):
+        engine.update_weights_from_tensor(bad, flush_cache=False, check_finite=True)
+    engine.update_weights_from_tensor(named[2:], flush_cache=True, check_finite=True)
+    state = engine.get_weight_state()
+    assert state["state"] == "inconsistent" and "was refused" in state["reason"], state
+    assert engine.get_weight_version() == version
+    push_colocated(hf_model, [engine], weight_version="restored")  # whole again (the module's checkpoint)
+    assert engine.get_weight_state()["state"] == "consistent"
+    with pytest.raises(ValueError, match="non-finite"):
+        engine.update_weights_from_tensor(bad, flush_cache=False, check_finite=True)
+    engine.flush_cache()  # the caller ends that push: a partial update afterwards closes as any other
+    engine.update_weights_from_tensor(list(hf_model.named_parameters())[:2], weight_version="partial")
+    assert engine.get_weight_state()["state"] == "consistent" and engine.get_weight_version() == "partial"
+    with pytest.raises(ValueError, match="non-finite"):  # a refused call that was a whole update on its own
+        engine.update_weights_from_tensor(bad, check_finite=True)
+    engine.update_weights_from_tensor(list(hf_model.named_parameters())[:2], weight_version="partial-2")
+    assert engine.get_weight_state()["state"] == "consistent" and engine.get_weight_version() == "partial-2"
+
 def _push_failing_rank(rank: int, port: int, result_path: str) -> None:
     """One FSDP2 rank of two: rank 0's engine refuses the second bucket, rank 1 has no engine."""
     import torch.distributed as dist

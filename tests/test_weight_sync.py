@@ -237,3 +237,37 @@ def test_update_waits_for_in_flight_requests_and_pause_modes(path):
         engine.update_weights_from_tensor(list(model.named_parameters()), weight_version="v-paused")
         engine.continue_generation()
         assert list(held)[-1].weight_version == "v-paused"
+
+
+def test_a_bumped_version_never_names_other_weights_after_a_rollback(path):
+    """Update (version 1), roll back (version 0 again), update with other weights: "1" already named the weights
+    that were rolled back, so outputs and token versions labelled "1" would no longer say which weights made them."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with Engine(path, dtype="float32", device="cpu", keep_weight_copy=True) as engine:
+        first = [(n, p.detach() * 1.01) for n, p in model.named_parameters()]
+        assert engine.update_weights_from_tensor(first)["weight_version"] == "1"
+        assert engine.rollback_weights()["weight_version"] == "0"
+        second = [(n, p.detach() * 1.02) for n, p in model.named_parameters()]
+        assert engine.update_weights_from_tensor(second)["weight_version"] == "2"
+        assert engine.rollback_weights()["weight_version"] == "0"
+        engine.update_weight_version("3")
+        assert engine.update_weights_from_tensor(first)["weight_version"] == "4"
+
+
+def test_fingerprint_of_a_tied_models_state_dict_counts_the_tied_head_once(tiny_dir):
+    """A tied model's state_dict holds lm_head.weight beside the embedding (the same tensor); the engine stores one
+    parameter and named_parameters lists one, so the fingerprint of the state_dict must equal theirs (it had an
+    extra lm_head.weight entry: 'the weights differ' although they were equal). Distinct tensors still count."""
+    import weight_sync
+    from transformers import AutoModelForCausalLM
+
+    tied = AutoModelForCausalLM.from_pretrained(tiny_dir("llama", tie_word_embeddings=True), dtype=torch.float32)
+    assert "lm_head.weight" in tied.state_dict()
+    assert weight_sync.fingerprint(tied.state_dict()) == weight_sync.fingerprint(tied)
+    assert weight_sync.fingerprint(list(tied.state_dict().items())) == weight_sync.fingerprint(tied)
+    untied = AutoModelForCausalLM.from_pretrained(tiny_dir("llama"), dtype=torch.float32)
+    same = {n: t.clone() for n, t in untied.state_dict().items()}
+    same["lm_head.weight"] = same["model.embed_tokens.weight"].clone()  # equal values, two tensors: both count
+    assert weight_sync.fingerprint(same) != weight_sync.fingerprint({n: t for n, t in same.items() if n != "lm_head.weight"})

@@ -307,7 +307,7 @@ class EngineActor:
     def weights_fingerprint(self) -> str:
         return self.engine.weights_fingerprint()
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         return self.engine.get_weights_by_name(name, truncate_size)
 
     # ---- lifecycle ----------------------------------------------------------------------------

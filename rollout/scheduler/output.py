@@ -39,7 +39,10 @@ class OutputManager:
 
     @staticmethod
     def token_out(req: Req, weight_version: str) -> TokenOut:
-        """The request's tokens since its last message (its first carries the decode spec and prompt logprobs)."""
+        """The request's tokens since its last message (its first carries the decode spec and prompt logprobs).
+        Its ``weight_version`` is the version that sampled its last token (``weight_version``, the served one, when
+        it has none): a request whose last step was read just before an in-flight update does not report the
+        update's version."""
         start, end = req.sent, len(req.output_ids)
         p = req.sampling
         spec = prompt_lps = None
@@ -51,6 +54,8 @@ class OutputManager:
                 prompt_lps = PromptLogprobsOut(req.prompt_lp_first, req.prompt_lps, req.prompt_lp_ranks,
                                                req.prompt_lp_top if req.prompt_lp_k else None)
         req.sent = end
+        if end:  # the weights that sampled its last token (an update may have landed since, in flight)
+            weight_version = req.token_versions[end - 1] or weight_version
         return TokenOut(
             rid=req.rid, token_ids=req.output_ids[start:end],
             logprobs=req.logprobs[start:end] if req.wants_logprobs else None,

@@ -202,7 +202,7 @@ async def stop_profile(request: Request) -> dict[str, Any]:
 
 
 @router.api_route("/get_weights_by_name", methods=["GET", "POST"])
-async def get_weights_by_name(body: GetWeightsByNameRequest, request: Request) -> list[float]:
+async def get_weights_by_name(body: GetWeightsByNameRequest, request: Request) -> list[Any]:
     state = _state(request)
     return await _run(state.call(state.engine.get_weights_by_name, body.name, body.truncate_size))
 

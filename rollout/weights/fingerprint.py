@@ -178,11 +178,32 @@ def _stored_tensors(name: str, t: torch.Tensor, quantization: str | None) -> lis
 
 
 def _named_tensors(obj: Any) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a model's ``named_parameters``, a mapping or pairs. A tensor that is another
+    name of an earlier one (the same elements of the same storage: a tied ``lm_head.weight`` in a ``state_dict``)
+    counts once, as ``named_parameters`` counts a tied parameter once and the engine stores it once."""
     if hasattr(obj, "named_parameters"):
         return list(obj.named_parameters())
-    if isinstance(obj, Mapping):
-        return list(obj.items())
-    return list(obj)
+    pairs = list(obj.items()) if isinstance(obj, Mapping) else list(obj)
+    seen: set[tuple] = set()
+    out = []
+    for name, t in pairs:
+        key = _alias_key(t)
+        if key is not None and key in seen:
+            continue
+        if key is not None:
+            seen.add(key)
+        out.append((name, t))
+    return out
+
+
+def _alias_key(t: Any) -> tuple | None:
+    """What makes two tensors the same elements (None when that cannot be told: no storage, e.g. a DTensor)."""
+    try:
+        if hasattr(t, "full_tensor") or t.is_meta or t.layout != torch.strided or t.numel() == 0:
+            return None
+        return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
 
 
 def combine_fingerprint(parts_per_rank: list[list[tuple[str, Any, str, int, int]]],

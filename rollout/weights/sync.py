@@ -61,7 +61,13 @@ class WeightSync:
         self.device = device
         self.cache = cache
         self.weight_version = weight_version
+        self.versions_named = {weight_version}  # every version these weights had: a bump never names another again
         self.version_before_session: str | None = None
+        # why the last update call was refused while no session was open (nothing loaded since) and it was not
+        # the push's last (flush_cache=False): the calls after it are the rest of that push, so they complete
+        # an update only by loading every parameter
+        self.refused_before_session: str | None = None
+        self.version_named_in_session = False  # update_weight_version named the weights the open session loads
         self.timing: dict[str, float] = {}
         self.opened = OpenedIpcTensors()  # a colocated trainer's storages kept mapped (ipc_protocol)
 
@@ -81,6 +87,12 @@ class WeightSync:
     # ---- groups -------------------------------------------------------------------------------
 
     def init_process_group(self, req: InitProcessGroupReq) -> bool:
+        if req.rank_offset < 1 or req.rank_offset + self.tp.size > req.world_size:
+            # checked before the rendezvous (which would block until its timeout): as rank 0 this rank would be the
+            # broadcast's source and load its own scratch buffer as the trainer's weights
+            raise ValueError(f"rank_offset {req.rank_offset} with world_size {req.world_size}: this engine's "
+                             f"{self.tp.size} TP rank(s) join as rank_offset + r, which must lie in 1..world_size-1 "
+                             f"(rank 0 of the weight-update group is the trainer, the source of every broadcast)")
         self.groups.join(req.master_address, req.master_port, req.rank_offset + self.tp.rank, req.world_size,
                          req.group_name, req.backend, req.timeout, self.device.type)
         return True
@@ -154,6 +166,7 @@ class WeightSync:
             raise ValueError("; ".join(problems[:5]))
         if not self.updater.session:
             self.version_before_session = self.weight_version  # what rollback_weights restores
+        self.refused_before_session = None  # a reload sets every parameter
         nbytes = 0
         try:
             for name, tensor in iter_safetensors(req.model_path, skip):
@@ -171,6 +184,8 @@ class WeightSync:
             raise ValueError(self.blocked())
         start = time.perf_counter()
         self.updater.rollback()
+        self.refused_before_session = None
+        self.version_named_in_session = False
         self.weight_version = self.version_before_session or self.weight_version
         self.cache.invalidate()
         return {"weight_version": self.weight_version, "seconds": time.perf_counter() - start}
@@ -194,6 +209,8 @@ class WeightSync:
         if self.updater.end_session(explicit=True):
             self._complete(None)
             return True
+        if not self.updater.session:
+            self.refused_before_session = None  # the caller ends what it sent: a later update starts afresh
         return self.cache.flush()
 
     def expire_session(self) -> None:
@@ -210,7 +227,11 @@ class WeightSync:
         logger.error("%s", up.inconsistent)
 
     def update_weight_version(self, req: UpdateWeightVersionReq) -> str:
+        """Name the served weights; while an update session is open, the weights it is loading (its close then
+        keeps the name instead of incrementing it)."""
         self.weight_version = str(req.weight_version)
+        self.versions_named.add(self.weight_version)
+        self.version_named_in_session = bool(self.updater.session)
         return self.weight_version
 
     def get_weight_version(self, req: Any = None) -> str:
@@ -233,7 +254,9 @@ class WeightSync:
         if blocked is not None:
             raise ValueError("the weights' memory is released (asleep): wake_up(tags=['weights']) before reading them")
 
-    def get_weights_by_name(self, req: GetWeightsByNameReq) -> list[float]:
+    def get_weights_by_name(self, req: GetWeightsByNameReq) -> list[Any]:
+        """SGLang's ``param.tolist()[:truncate_size]``: the first ``truncate_size`` rows of the HF tensor (values of
+        a 1-D one), as transformers' ``get_parameter(name)[:truncate_size].tolist()`` gives them."""
         self._check_readable()
         wm = self.updater.weight_map
         wm.check(req.name, wm.shapes.get(wm.canonical(req.name), ()))
@@ -241,7 +264,7 @@ class WeightSync:
         if self.tp.rank != 0:
             return []
         full = assemble(parts, wm.shapes[wm.canonical(req.name)])
-        return full.float().flatten()[:req.truncate_size].tolist()
+        return full.float()[:req.truncate_size].tolist()
 
     def weights_fingerprint(self, req: Any = None) -> str:
         from rollout.weights.fingerprint import combine_fingerprint
@@ -273,11 +296,19 @@ class WeightSync:
             reason = "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
             if self.updater.session and self.updater.inconsistent is None:
                 self.updater.mark_inconsistent(f"an update call was refused mid-update ({reason})")
+            elif not self.updater.session:  # a call announcing more to come (flush_cache=False) starts a push
+                closes = flush_cache or weight_version is not None
+                self.refused_before_session = None if closes else reason
             raise ValueError(reason)
+        refused = None
         if not self.updater.session:
             self.version_before_session = self.weight_version
+            refused, self.refused_before_session = self.refused_before_session, None
         t_load = time.perf_counter()
         self.updater.load(tensors)
+        if refused is not None and not self.updater.covers_all:
+            self.updater.mark_inconsistent(f"the update call before this update's first was refused ({refused}), so "
+                                           "this update may lack its parameters")
         self.timing["load_s"] = time.perf_counter() - t_load
         self.updater.touch_deadline(group_name, self.groups.timeout(group_name))
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
@@ -297,7 +328,17 @@ class WeightSync:
 
     def _complete(self, weight_version: str | None) -> None:
         """Weights are whole again: drop stale KV and name the new version."""
-        self.weight_version = str(weight_version) if weight_version is not None else _next_version(self.weight_version)
+        if weight_version is None and self.version_named_in_session:
+            weight_version = self.weight_version
+        self.version_named_in_session = False
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        else:  # after a rollback the next number may have named the weights rolled back: skip what was used
+            version = _next_version(self.weight_version)
+            while version in self.versions_named:
+                version = _next_version(version)
+            self.weight_version = version
+        self.versions_named.add(self.weight_version)
         self.cache.invalidate()
 
     def _transfer_failed(self, group_name: str, message: str) -> None:

@@ -79,9 +79,17 @@ class WeightUpdater:
         out += [f"parameter {n!r} appears more than once in one update" for n in sorted(counts) if counts[n] > 1]
         return out
 
-    @staticmethod
-    def nonfinite(tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
-        return [name for name, t in tensors if not bool(torch.isfinite(t).all())]
+    def nonfinite(self, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
+        """The names whose values are not finite as the engine would store them: a value finite as sent may not
+        be in the serving dtype (a bfloat16 1e5 is inf in float16), which the load's cast would make it."""
+        out = []
+        for name, t in tensors:
+            stored = self.weight_map.resolve_all(name)[0][0].dtype
+            if stored.is_floating_point and stored.itemsize > 1 and stored != t.dtype:  # fp8 is scaled, never cast
+                t = t.to(stored)
+            if not bool(torch.isfinite(t).all()):
+                out.append(name)
+        return out
 
     # ---- receiving ----------------------------------------------------------------------------
 
