@@ -73,8 +73,8 @@ class EngineClient:
         return self._in_order("/update_weights_from_distributed", body, async_op, _result)
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                 async_op: bool = False) -> Any:
-        body = {"model_path": str(model_path), "weight_version": weight_version}
+                                 async_op: bool = False, *, load_format: str | None = None) -> Any:
+        body = {"model_path": str(model_path), "weight_version": weight_version, "load_format": load_format}
         return self._in_order("/update_weights_from_disk", body, async_op, _result)
 
     def rollback_weights(self) -> dict[str, Any]:

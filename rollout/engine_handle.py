@@ -34,7 +34,7 @@ class EngineHandle(Protocol):
                                         check_finite: bool = False, async_op: bool = False) -> Any: ...
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                 async_op: bool = False) -> Any: ...
+                                 async_op: bool = False, *, load_format: str | None = None) -> Any: ...
 
     def rollback_weights(self) -> Any: ...
 
@@ -95,8 +95,9 @@ class ForwardingEngineHandle:
                           load_format=load_format, check_finite=check_finite)
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                 async_op: bool = False) -> Any:
-        return self._call("update_weights_from_disk", async_op, model_path=model_path, weight_version=weight_version)
+                                 async_op: bool = False, *, load_format: str | None = None) -> Any:
+        return self._call("update_weights_from_disk", async_op, model_path=model_path, weight_version=weight_version,
+                          load_format=load_format)
 
     def rollback_weights(self) -> Any:
         return self._call("rollback_weights", False)

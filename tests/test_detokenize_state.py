@@ -235,7 +235,8 @@ def test_the_prompt_tail_the_scheduler_sends_seeds_past_a_run_of_byte_tokens(nam
     cut = max(k for k, t in enumerate(tok.convert_ids_to_tokens(words)) if k > 0 and t.startswith("▁"))
     output = words[cut:]  # starts with "▁word": a word with its leading space
     req = Req(GenerateReq("r", prompt, SamplingParams(max_tokens=4), seed=0), (2,), context_len=128)
-    req.output_ids = list(output)
+    for t in output:
+        req.append_token(t, None, None, None)
     tail = OutputManager.token_out(req, "0").spec.prompt_tail
     det, deltas = _stream(tok, output, prompt_ids=tail)
     want = _reference(tok, prompt + output)[len(_reference(tok, prompt)):]  # vLLM's text

@@ -132,11 +132,12 @@ def _wait_for_tokens(engine, n: int, timeout: float = 60.0) -> None:
 def test_an_output_reports_the_version_that_sampled_its_last_token(path):
     """A request whose last step is read just before an in-flight update (the step in flight is read, then the
     update runs, then outputs are sent) reported the update's version, although no token of it was sampled by
-    those weights. One request ends at every step here, so every update lands right after one ends."""
+    those weights. One request ends at every step here, for 300 steps, so every update lands right after one
+    ends, however fast or slow the machine runs the steps against the updates."""
     new = perturbed(path, seed=5)
     named = list(new.named_parameters())
-    prompts = [[5 + i, 6, 7] for i in range(40)]
-    params = [SamplingParams(temperature=0.0, max_new_tokens=2 + i, ignore_eos=True) for i in range(40)]
+    prompts = [[5 + i % 400, 6, 7] for i in range(300)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=2 + i, ignore_eos=True) for i in range(300)]
     import threading
 
     with Engine(path, dtype="float32", device="cpu", update_weights_in_flight=True) as engine:
@@ -149,7 +150,7 @@ def test_an_output_reports_the_version_that_sampled_its_last_token(path):
             engine.update_weights_from_tensor(named, weight_version=f"v{k}")
         worker.join(120)
     outs = box["out"]
-    assert len({o.outputs[0].token_weight_versions[-1] for o in outs}) > 1, "no update landed while requests ran"
+    assert any(len(set(o.outputs[0].token_weight_versions)) > 1 for o in outs), "no update landed mid-request"
     wrong = [(o.outputs[0].token_weight_versions[-1], o.weight_version) for o in outs
              if o.weight_version != o.outputs[0].token_weight_versions[-1]]
     assert not wrong, wrong

@@ -268,8 +268,9 @@ class EngineActor:
             names, dtypes, [list(s) for s in shapes], group_name=group_name, flush_cache=flush_cache,
             weight_version=weight_version, load_format=load_format, check_finite=check_finite)
 
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> Any:
-        return self.engine.update_weights_from_disk(model_path, weight_version)
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                 load_format: str | None = None) -> Any:
+        return self.engine.update_weights_from_disk(model_path, weight_version, load_format=load_format)
 
     def rollback_weights(self) -> Any:
         return self.engine.rollback_weights()

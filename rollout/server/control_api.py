@@ -92,7 +92,7 @@ async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest, request: 
     if body.abort_all_requests:
         _abort_all(state)
     return await _update(state, state.call(state.engine.update_weights_from_disk, body.model_path,
-                                           weight_version=body.weight_version))
+                                           weight_version=body.weight_version, load_format=body.load_format))
 
 
 async def _update(state: ServerState, call: Awaitable[Any]) -> dict[str, Any]:
