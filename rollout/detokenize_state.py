@@ -9,7 +9,7 @@ shared start keeps the leading-space rules of SentencePiece and byte-level BPE d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens that seed the decode window (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
@@ -138,20 +138,7 @@ class IncrementalDetokenizer:
                                      clean_up_tokenization_spaces=False)
 
     def _seed_ids(self, prompt_token_ids: Sequence[int] | None) -> list[int]:
-        """The prompt's last few ids, widened so the window does not start inside a character (byte
-        tokens); none when the prompt ends inside a character or no clean start is found nearby."""
-        if not prompt_token_ids:
-            return []
-        ids = [int(t) for t in prompt_token_ids]
-        lowest = max(0, len(ids) - SEED_LOOKBACK_TOKENS)
-        if self._decode(ids[lowest:]).endswith(REPLACEMENT_CHAR):
-            return []  # the prompt ends inside a character
-        start = max(0, len(ids) - SEED_PROMPT_TOKENS)
-        while REPLACEMENT_CHAR in self._decode(ids[start:]):  # a run of byte tokens cut at its start
-            if start == lowest:
-                return []
-            start -= 1
-        return ids[start:]
+        return prompt_seed_ids(self._decode, prompt_token_ids)
 
     def _decode_window(self, flush: bool) -> str:
         """Text of the ids after ``read_offset`` if it has settled (or ``flush``), advancing the window."""
@@ -256,3 +243,21 @@ def skipped_special_ids(tokenizer: Any) -> frozenset[int]:
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
     return frozenset(ids)
+
+
+def prompt_seed_ids(decode: Callable[[list[int]], str], prompt_token_ids: Sequence[int] | None) -> list[int]:
+    """The prompt's last few ids that the output's text is decoded after (so it reads as it does after the
+    prompt: a SentencePiece first token keeps its leading space), widened so the window does not start inside
+    a character (byte tokens); none when the prompt ends inside a character or no clean start is found nearby."""
+    if not prompt_token_ids:
+        return []
+    ids = [int(t) for t in prompt_token_ids]
+    lowest = max(0, len(ids) - SEED_LOOKBACK_TOKENS)
+    if decode(ids[lowest:]).endswith(REPLACEMENT_CHAR):
+        return []  # the prompt ends inside a character
+    start = max(0, len(ids) - SEED_PROMPT_TOKENS)
+    while REPLACEMENT_CHAR in decode(ids[start:]):  # a run of byte tokens cut at its start
+        if start == lowest:
+            return []
+        start -= 1
+    return ids[start:]

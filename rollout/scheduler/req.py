@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout.detokenize_state import REPLACEMENT_CHAR, SEED_PROMPT_TOKENS, skipped_special_ids
+from rollout.detokenize_state import REPLACEMENT_CHAR, SEED_LOOKBACK_TOKENS, prompt_seed_ids, skipped_special_ids
 from rollout.io_struct import FinishReason, GenerateReq
 from rollout.sampling_params import SamplingParams
 
@@ -181,14 +181,17 @@ class Req:
 
     def _decode_output(self, tokenizer: Any, lo: int, hi: int, skip: bool) -> str:
         """The text of ``output_ids[lo:hi]``; from the output's start (``lo == 0``) as it reads after the prompt's
-        last tokens, as the detokenizer (and vLLM) shows it: decoded alone, a SentencePiece decoder (Llama 2,
-        Mistral) strips the first token's leading space, and a stop string " foo" in the first tokens was missed."""
+        last tokens, seeded as the detokenizer seeds it (``prompt_seed_ids`` of the prompt tail it is sent): decoded
+        alone, a SentencePiece decoder (Llama 2, Mistral) strips the first token's leading space, and a stop
+        string " foo" in the first tokens was missed."""
         ids = self.output_ids[lo:hi]
-        if lo == 0 and self.prompt_ids:
-            seed = self.prompt_ids[-SEED_PROMPT_TOKENS:]
-            base = tokenizer.decode(seed, skip_special_tokens=skip)
-            if not base.endswith(REPLACEMENT_CHAR):  # else the prompt ends inside a character: no seed
-                full = tokenizer.decode(seed + ids, skip_special_tokens=skip)
-                if full.startswith(base):
-                    return full[len(base):]
-        return tokenizer.decode(ids, skip_special_tokens=skip)
+
+        def decode(part: list[int]) -> str:
+            return tokenizer.decode(part, skip_special_tokens=skip)
+
+        seed = prompt_seed_ids(decode, self.prompt_ids[-SEED_LOOKBACK_TOKENS:]) if lo == 0 else []
+        if seed:
+            base, full = decode(seed), decode(seed + ids)
+            if full.startswith(base):
+                return full[len(base):]
+        return decode(ids)
