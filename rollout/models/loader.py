@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -17,13 +17,7 @@ from rollout.weights.weight_map import HFWeightMap, equal_values
 
 def iter_safetensors(model_path: str, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of the checkpoint (see ``_safetensors_files``) but ``skip``."""
-    from safetensors import safe_open
-
-    for path in _safetensors_files(model_path):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name not in skip:
-                    yield name, f.get_tensor(name)
+    return _iter_tensors(model_path, lambda name: name not in skip)
 
 
 def tied_head_skip(model_path: str, names: Any, weight_map: HFWeightMap) -> frozenset[str]:
@@ -44,12 +38,16 @@ def tied_head_skip(model_path: str, names: Any, weight_map: HFWeightMap) -> froz
 
 def iter_named(model_path: str, wanted: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for the checkpoint's tensors named in ``wanted`` only."""
+    return _iter_tensors(model_path, lambda name: name in wanted)
+
+
+def _iter_tensors(model_path: str, keep: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for path in _safetensors_files(model_path):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name in wanted:
+                if keep(name):
                     yield name, f.get_tensor(name)
 
 

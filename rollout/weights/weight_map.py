@@ -175,8 +175,10 @@ class HFWeightMap:
     def load(self, hf_name: str, tensor: torch.Tensor) -> None:
         """Copy this rank's shard of the full HF tensor into place."""
         self.check(hf_name, tuple(tensor.shape))
-        for param, shard_id in self.resolve_all(hf_name):
-            param.weight_loader(param, on_device(tensor, param.device), shard_id)
+        targets = self.resolve_all(hf_name)
+        tensor = on_device(tensor, targets[0][0].device)  # every parameter of this rank is on its one device
+        for param, shard_id in targets:
+            param.weight_loader(param, tensor, shard_id)
 
     def load_all(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """``load`` each tensor, with the views of plain copies cached (``copy_targets``): a push of
