@@ -25,3 +25,28 @@ def test_smoke_passes_on_a_base_model_whose_tokenizer_has_no_chat_template(tiny_
     out = capsys.readouterr().out
     assert code == 0, out
     assert "OK: all checks passed" in out
+
+
+def test_bfloat16_smoke_judges_logprobs_against_transformers_own_rounding(tiny_dir, capsys):
+    """Two correct bf16 implementations differ by up to the sum of their roundings, which grow with the
+    logits: on this random model transformers' own bf16 logprobs fall ~0.2 from float32's, and the engine's
+    0.13 from transformers' bf16 (seed 1) had failed the fixed 0.1 bound. The bound is now 0.1 or twice
+    transformers' own error, whichever is larger, and the report prints both."""
+    from weight_sync.smoke import main
+
+    code = main(["--model", tiny_dir("llama"), "--device", "cpu", "--dtype", "bfloat16", "--mode", "tensor",
+                 "--seed", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "transformers' own bfloat16 error" in out and "engine vs float32" in out
+
+
+def test_logprob_tolerance_rule():
+    """float32: 1e-4; 16-bit: 0.1 or twice transformers' own error against float32; a given tolerance as is."""
+    from weight_sync.smoke import logprob_tolerance
+
+    assert logprob_tolerance(None, "float32", {"ref_max": 0.5, "fp32_max": 0.5})[0] == 1e-4
+    assert logprob_tolerance(None, "bfloat16", {"ref_max": 0.02, "fp32_max": 0.03})[0] == 0.1
+    assert logprob_tolerance(None, "bfloat16", {"ref_max": 0.2, "fp32_max": 0.3})[0] == 0.4
+    assert logprob_tolerance(None, "float16", {})[0] == 0.1
+    assert logprob_tolerance(0.05, "bfloat16", {"ref_max": 0.2, "fp32_max": 0.3})[0] == 0.05

@@ -38,15 +38,27 @@ class SmokeConfig:
     replay_routing: bool = False  # a mixture-of-experts model: compare with the engine's routing replayed
 
 
-def _parity(model: Any, outs: list[Any]) -> dict[str, float]:
+def _parity(model: Any, outs: list[Any], reference: Any = None) -> dict[str, float]:
     """The engine's logprobs against transformers' (teacher-forced; with the engine's routing replayed where
-    the outputs carry it, counting the router choices that differ)."""
+    the outputs carry it, counting the router choices that differ). With ``reference`` (the float32 model,
+    when ``model`` is its 16-bit copy) also "ref_max": how far transformers' own 16-bit logprobs fall from
+    float32's on the same tokens (the scale of 16-bit rounding for this model), and "fp32_max": the engine's
+    distance from float32."""
     counts: dict[str, int] = {}
-    deltas = [abs(a - b) for o in outs for c in o.outputs
-              for a, b in zip(c.token_logprobs, hf_logprobs(model, o.prompt_token_ids, c.token_ids,
-                                                            c.routed_experts, counts))]
-    return {"max": max(deltas), "mean": statistics.fmean(deltas), "tokens": len(deltas),
-            "routing_rows": counts.get("rows", 0), "routing_differ": counts.get("differ", 0)}
+    ours, theirs, exact = [], [], []
+    for o in outs:
+        for c in o.outputs:
+            ours += c.token_logprobs
+            theirs += hf_logprobs(model, o.prompt_token_ids, c.token_ids, c.routed_experts, counts)
+            if reference is not None:
+                exact += hf_logprobs(reference, o.prompt_token_ids, c.token_ids, c.routed_experts)
+    deltas = [abs(a - b) for a, b in zip(ours, theirs)]
+    report = {"max": max(deltas), "mean": statistics.fmean(deltas), "tokens": len(deltas),
+              "routing_rows": counts.get("rows", 0), "routing_differ": counts.get("differ", 0)}
+    if exact:
+        report["ref_max"] = max(abs(a - b) for a, b in zip(theirs, exact))
+        report["fp32_max"] = max(abs(a - b) for a, b in zip(ours, exact))
+    return report
 
 
 def _train_step(model: Any, outs: list[Any], lr: float, device: str) -> float:
@@ -123,7 +135,7 @@ def _run(cfg: SmokeConfig, conn: Any) -> dict[str, Any]:
     report["greedy_max_gap"] = max(max(greedy_gaps(served, o.prompt_token_ids, o.outputs[0].token_ids,
                                                    o.outputs[0].routed_experts), default=0.0) for o in outs)
     rollout2 = ask(sample)
-    report["parity_after"] = _parity(served, rollout2)
+    report["parity_after"] = _parity(served, rollout2, None if served is model else model)
     report["version_after"] = engine.get_weight_version()
     report["output_versions"] = sorted({o.weight_version for o in outs + rollout2})
     report["sample_answer"] = outs[0].outputs[0].text.strip()
