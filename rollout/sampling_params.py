@@ -94,13 +94,14 @@ class SamplingParams:
 
     @classmethod
     def from_any(cls, params: "SamplingParams | Mapping[str, Any] | None") -> "SamplingParams":
-        """Accept our own object, a plain dict of vLLM/SGLang field names, or None (defaults)."""
+        """Accept our own object, a plain dict of vLLM/SGLang field names, or None (defaults). The result is
+        always a new, checked object: a caller's SamplingParams is copied (as vLLM clones it at submission), so
+        setting its fields later (``params.logprobs = None`` while its request runs, as a shared object is
+        updated between rollouts) changes no request already given it, and the caller's object is left as it was."""
         if params is None:
             return cls()
         if isinstance(params, SamplingParams):  # checked again: its fields may have been set since it was made
-            params._normalize()
-            params.verify()
-            return params
+            return params.clone()
         if isinstance(params, Mapping):
             return cls(**{k: v for k, v in params.items() if v is not None or k in _NONE_MEANS_SOMETHING})
         raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(params).__name__}")

@@ -50,3 +50,18 @@ def test_clone_takes_vllm_and_sglang_names():
     assert (copy.temperature, copy.stop, base.max_new_tokens) == (0.5, ["x"], 4)
     with pytest.raises(ValueError, match="name the same setting"):
         base.clone(max_tokens=8, max_new_tokens=9)
+
+
+def test_setting_a_field_after_submitting_changes_no_running_request(engine):
+    """The request keeps the values it was submitted with, as vLLM's (it clones the params at submission): the
+    front end read the caller's object while building outputs, so ``logprobs`` set to None after submitting
+    dropped the logprobs the scheduler computed, and set to 3 on a request without them gave ``logprobs == []``."""
+    params = SamplingParams(max_tokens=6, logprobs=2, seed=1)
+    stream = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, stream=True)
+    params.logprobs = None
+    chunks = list(stream)
+    assert sum(len(c.outputs[0].logprobs) for c in chunks) == 6
+    params = SamplingParams(max_tokens=6, seed=1)
+    stream = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, stream=True)
+    params.logprobs = 3
+    assert all(c.outputs[0].logprobs is None for c in stream)
