@@ -31,7 +31,7 @@ from rollout.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _GOLDEN = 0x9E3779B97F4A7C15
-_MASK63 = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1  # a seed is 64-bit (vLLM's range): every distinct seed keeps its own samples
 _LIVENESS_CHECK_S = 0.5  # how often the receiver checks that every engine subprocess is alive
 
 
@@ -167,7 +167,7 @@ class TokenizerManager:
         """One ``GenerateReq`` per sample of ``state`` (``n`` of them), each with its own seed."""
         params, msgs = state.params, []
         for i, sub in enumerate(state.sub_rids()):
-            seed = (params.seed + i * _GOLDEN) & _MASK63 if params.seed is not None else self.rng.getrandbits(63)
+            seed = (params.seed + i * _GOLDEN) & _MASK64 if params.seed is not None else self.rng.getrandbits(63)
             msgs.append(GenerateReq(sub, state.prompt_ids, params, seed, stream,
                                     return_prompt_logprobs=i == 0 and params.prompt_logprobs is not None))
         return msgs

@@ -324,3 +324,15 @@ def test_a_version_named_during_an_update_session_names_the_pushed_weights(engin
     assert engine.update_weights_from_tensor(named[5:])["weight_version"] == "step-7"
     assert engine.get_weight_version() == "step-7" and engine.get_weight_state()["state"] == "consistent"
     assert engine.update_weights_from_tensor(named)["weight_version"] == "step-7+1"  # a later push increments again
+
+
+def test_seeds_differing_by_2_to_the_63_give_different_samples(engine):
+    """A seed is 64-bit (vLLM's range): seeds were reduced mod 2**63, so -1 sampled exactly as 2**63 - 1 and
+    0 as -2**63."""
+    def sample(seed: int) -> list[int]:
+        params = SamplingParams(max_tokens=8, seed=seed, ignore_eos=True)
+        return engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)[0].outputs[0].token_ids
+
+    for a, b in ((-1, 2**63 - 1), (0, -2**63), (5, 5 - 2**63)):
+        assert sample(a) != sample(b)
+    assert sample(-1) == sample(-1)
