@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -151,7 +152,7 @@ class SamplingParams:
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
                 f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.seed is not None:  # vLLM's range (a 64-bit seed): larger ones aliased smaller ones silently
             _check_int(self, "seed", lo=-2**63, hi=2**63 - 1)
@@ -164,8 +165,9 @@ class SamplingParams:
             raise ValueError(f"logprobs_mode must be one of {_LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         _check_int(self, "routed_experts_start_len", lo=0)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
                      "spaces_between_special_tokens", "return_routed_experts", "detokenize"):
@@ -194,10 +196,18 @@ class SamplingParams:
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
+def _is_int(v: Any) -> bool:
+    """An integer that is not a bool: Python's, or numpy's (``numbers.Integral``), as vLLM takes them."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def _check_int(p: SamplingParams, name: str, lo: int | None = None, hi: int | None = None) -> None:
+    """Field ``name`` is an integer in [lo, hi]; stored as a Python int (a numpy integer is converted)."""
     v = getattr(p, name)
-    if not isinstance(v, int) or isinstance(v, bool):
+    if not _is_int(v):
         raise ValueError(f"{name} must be an int, got {v!r}")
+    v = int(v)
+    setattr(p, name, v)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}")
 
@@ -218,7 +228,7 @@ def _as_list(value: Any, name: str, kind: type) -> list[Any]:
 def _check_float(p: SamplingParams, name: str, lo: float | None = None, hi: float | None = None,
                  lo_open: bool = False) -> None:
     v = getattr(p, name)
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+    if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v):
         raise ValueError(f"{name} must be a finite number, got {v!r}")
     v = float(v)
     setattr(p, name, v)

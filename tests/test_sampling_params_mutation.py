@@ -65,3 +65,19 @@ def test_setting_a_field_after_submitting_changes_no_running_request(engine):
     stream = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, stream=True)
     params.logprobs = 3
     assert all(c.outputs[0].logprobs is None for c in stream)
+
+
+def test_numpy_numbers_are_taken_as_python_numbers(engine):
+    """Trainers compute lengths and seeds with numpy (vLLM takes ``max_tokens=np.int64(8)``); they were refused
+    as "must be an int". Stored as Python numbers, so the scheduler and the JSON outputs see plain values;
+    numpy bools stay refused where an int is wanted."""
+    import numpy as np
+
+    params = SamplingParams(max_tokens=np.int64(4), temperature=np.float32(0.0), seed=np.uint32(7),
+                            n=np.int32(1), stop_token_ids=[np.int64(3)], top_p=np.float64(1.0), ignore_eos=True)
+    assert type(params.max_new_tokens) is int and type(params.temperature) is float
+    assert type(params.seed) is int and type(params.stop_token_ids[0]) is int
+    out = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) <= 4
+    with pytest.raises(ValueError, match="max_tokens must be an int"):
+        SamplingParams(max_tokens=np.bool_(True))
