@@ -18,6 +18,8 @@ class GenerateReq:
     seed: int
     stream: bool = False
     return_prompt_logprobs: bool = False  # compute ``sampling.prompt_logprobs`` (the first of n samples only)
+    # the front end's tokenizer's EOS, an end of sequence beside the model's (vLLM's and SGLang's rule)
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass

@@ -35,6 +35,14 @@ _MASK64 = (1 << 64) - 1  # a seed is 64-bit (vLLM's range): every distinct seed 
 _LIVENESS_CHECK_S = 0.5  # how often the receiver checks that every engine subprocess is alive
 
 
+def tokenizer_eos_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The tokenizer's EOS id, which ends a sequence beside the model's ``eos_token_id`` ids (config.json and
+    generation_config.json): vLLM stops at it (``InputPreprocessor.get_eos_token_id``), as SGLang does
+    (``Req.check_finished``). Empty without a tokenizer (``skip_tokenizer_init``) or an EOS token."""
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    return (eos,) if isinstance(eos, int) and not isinstance(eos, bool) else ()
+
+
 class TokenizerManager:
     """Front end of one engine: submit/abort requests, run control calls, build vLLM-shaped outputs."""
 
@@ -44,6 +52,7 @@ class TokenizerManager:
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
         self.token_texts: dict[int, str] = {}  # token_text's decodes, by id
+        self.eos_token_ids = tokenizer_eos_ids(tokenizer)  # sent with every request (GenerateReq.eos_token_ids)
         self.context_len = context_len
         self.is_alive = is_alive
         self.ctx = zmq.Context()
@@ -169,7 +178,8 @@ class TokenizerManager:
         for i, sub in enumerate(state.sub_rids()):
             seed = (params.seed + i * _GOLDEN) & _MASK64 if params.seed is not None else self.rng.getrandbits(63)
             msgs.append(GenerateReq(sub, state.prompt_ids, params, seed, stream,
-                                    return_prompt_logprobs=i == 0 and params.prompt_logprobs is not None))
+                                    return_prompt_logprobs=i == 0 and params.prompt_logprobs is not None,
+                                    eos_token_ids=self.eos_token_ids))
         return msgs
 
     def abort_soon(self, rid: str) -> None:

@@ -264,6 +264,31 @@ def test_two_engines_in_one_process(engine, tiny_dir, hf_reference, path):
             assert out.outputs[0].token_ids == hf_reference(p).greedy(prompt, 10)
 
 
+def test_the_tokenizers_eos_ends_a_sequence_as_in_vllm(tmp_path, path, hf_reference):
+    """vLLM (``InputPreprocessor.get_eos_token_id``) and SGLang (``Req.check_finished``) stop at the tokenizer's
+    EOS beside the model's: a checkpoint whose tokenizer names another EOS than its config.json (a fine-tune
+    that made ``<|im_end|>`` the EOS of a base model) ran on to max_tokens."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    ckpt = str(shutil.copytree(path, tmp_path / "own-eos"))
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    prompt = tok.encode("the sky is")
+    greedy = hf_reference(path).greedy(prompt, 8)
+    k = next(i for i in range(1, 8) if greedy[i] not in greedy[:i] and greedy[i] != 2)  # 2: config.json's EOS
+    tok.eos_token = tok.convert_ids_to_tokens(greedy[k])
+    tok.save_pretrained(ckpt)
+    with Engine(ckpt, dtype="float32", device="cpu") as e:
+        assert e.tokenizer.eos_token_id == greedy[k]
+        stopped, ignored = e.generate([prompt, prompt], [SamplingParams(temperature=0, max_tokens=8),
+                                                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)],
+                                      use_tqdm=False)
+    c = stopped.outputs[0]
+    assert (c.token_ids, c.finish_reason, c.stop_reason) == (greedy[:k + 1], "stop", None)
+    assert ignored.outputs[0].token_ids == greedy and ignored.outputs[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize("rank_offset, world_size", [(0, 2), (-1, 2), (2, 2)])
 def test_weight_update_group_ranks_are_checked_before_joining(engine, rank_offset, world_size):
     """Rank 0 of the group is the trainer: an engine joining as rank 0 would be the broadcast's source and load its

@@ -35,6 +35,7 @@ class Req:
     row ``pool_row`` of the request table); ``prefix_len`` of those belong to the radix tree (locked
     through ``last_node``), the rest are owned by the request. ``kv_len`` counts launched steps, and
     ``inflight_tokens`` tokens have been sampled by a launched step but not yet appended (overlap scheduling).
+    ``eos_token_ids``: the model's EOS ids and the request's own (``GenerateReq.eos_token_ids``, the tokenizer's).
     """
 
     def __init__(self, msg: GenerateReq, eos_token_ids: tuple[int, ...], context_len: int) -> None:
@@ -53,7 +54,7 @@ class Req:
         self.prompt_lps: list[float] = []
         self.prompt_lp_ranks: list[int] = []
         self.prompt_lp_top: list[list[tuple[int, float]]] = []
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = tuple(dict.fromkeys(tuple(eos_token_ids) + tuple(msg.eos_token_ids)))
         self.output_ids: list[int] = []
         self.token_versions: list[str] = []  # the weight version that sampled each output token
         self.logprobs: list[float] = []

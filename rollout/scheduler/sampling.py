@@ -14,9 +14,8 @@ from rollout.scheduler.req import Req
 
 
 class SamplingInfoCache:
-    def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.eos_token_ids = list(eos_token_ids)
         # (requests, sampling tensors) of the last step when it was a decode step, for the next one
         self._last_decode: tuple[list[Req], SamplingBatchInfo] | None = None
 
@@ -36,7 +35,7 @@ class SamplingInfoCache:
     def _build(self, reqs: list[Req]) -> SamplingBatchInfo:
         return self.runner.sampling_info([
             SamplingRow(params=r.sampling, seed=r.seed, output_len=len(r.output_ids) + r.inflight_tokens,
-                        prompt_token_ids=r.prompt_ids, output_token_ids=r.output_ids, eos_token_ids=self.eos_token_ids)
+                        prompt_token_ids=r.prompt_ids, output_token_ids=r.output_ids, eos_token_ids=list(r.eos_token_ids))
             for r in reqs])
 
 

@@ -85,7 +85,7 @@ class Scheduler:
         self.overlap = not config.disable_overlap_schedule
         self.in_flight: LaunchedStep | None = None
         self._last_done = 0.0  # when the previous step's results reached the host
-        self.sampling = SamplingInfoCache(self.runner, model_cfg.eos_token_ids)
+        self.sampling = SamplingInfoCache(self.runner)
         self.profiler = StepProfiler(tp.rank, tp.size, device)
         self.results = ResultProcessor(self.running, self.cache, self.prefill, self.outputs, self.stats, self.tokenizer)
         self.control_handlers: dict[type, Callable[[Any], Any]] = {
