@@ -95,11 +95,13 @@ class Engine:
 
     def chat(self, messages: Any, sampling_params: Any = None, *, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+             **kwargs: Any) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {role, content}) or a list of them; the template
-        options are vLLM's ``LLM.chat`` ones (e.g. ``chat_template_kwargs={"enable_thinking": False}``)."""
+        options are vLLM's ``LLM.chat`` ones (e.g. ``chat_template_kwargs={"enable_thinking": False}``, ``tools``
+        for the template's tool list). A content may be a string or a list of OpenAI text parts."""
         options = ChatTemplateOptions(chat_template, add_generation_prompt, continue_final_message,
-                                      dict(chat_template_kwargs or {}))
+                                      dict(chat_template_kwargs or {}), tools)
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self.generate([self.apply_chat_template(c, options) for c in convs], sampling_params, **kwargs)
 

@@ -12,23 +12,27 @@ from rollout.sampling_params import SamplingParams
 PromptItem = tuple[Any, Any, SamplingParams, Any]  # (text | None, token ids | None, params, request id | None)
 # apply_chat_template's own arguments: chat_template_kwargs may not set them (they have options of their own)
 _TEMPLATE_ARGUMENTS = frozenset({"chat_template", "tokenize", "add_generation_prompt", "continue_final_message",
-                                 "conversation", "return_dict", "return_tensors"})
+                                 "conversation", "return_dict", "return_tensors", "tools"})
 
 
 @dataclass(frozen=True)
 class ChatTemplateOptions:
     """How a conversation becomes a prompt: vLLM's ``LLM.chat`` / chat-completions options. The template's own
-    variables (Qwen3's ``enable_thinking``, ...) go in ``chat_template_kwargs``."""
+    variables (Qwen3's ``enable_thinking``, ...) go in ``chat_template_kwargs``; ``tools`` (JSON schemas, as
+    vLLM's ``LLM.chat`` takes them) reach the template as its ``tools`` variable."""
 
     chat_template: str | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
                     options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
-    """The token ids of ``messages`` under the chat template; ValueError naming the problem."""
+    """The token ids of ``messages`` under the chat template; ValueError naming the problem. A message whose
+    content is a list of OpenAI text parts (``{"type": "text", "text"}``) reaches the template as their texts
+    joined by newlines (vLLM's rendering for templates that take string content); other parts are refused."""
     if tokenizer is None or not (options.chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError("this model's tokenizer has no chat template (pass chat_template)")
     if options.add_generation_prompt and options.continue_final_message:  # vLLM's check and message
@@ -36,6 +40,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
     taken = sorted(set(options.chat_template_kwargs) & _TEMPLATE_ARGUMENTS)
     if taken:
         raise ValueError(f"chat_template_kwargs may not set {taken}: pass them as options of their own")
+    messages = [_with_text_content(m) for m in messages]
     for m in messages:
         for value in (m.values() if isinstance(m, dict) else ()):
             if isinstance(value, str):
@@ -43,8 +48,27 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
     ids = tokenizer.apply_chat_template(messages, chat_template=options.chat_template, tokenize=True,
                                         add_generation_prompt=options.add_generation_prompt,
                                         continue_final_message=options.continue_final_message,
-                                        **options.chat_template_kwargs)
+                                        tools=options.tools, **options.chat_template_kwargs)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def content_text(parts: list[Any]) -> str:
+    """The text of a message's content parts: the texts of its ``{"type": "text", "text"}`` parts joined by
+    newlines, as vLLM's ``parse_chat_messages`` renders them for a string-content template; ValueError for
+    any other part (this engine takes text only)."""
+    texts = []
+    for part in parts:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise ValueError(f"unsupported message content part {part!r}: only {{'type': 'text', 'text': ...}}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _with_text_content(message: Any) -> Any:
+    """``message`` with a list ``content`` of text parts replaced by its text (``content_text``)."""
+    if isinstance(message, dict) and isinstance(message.get("content"), list):
+        return {**message, "content": content_text(message["content"])}
+    return message
 
 
 def check_unicode(text: str, what: str) -> None:

@@ -89,6 +89,26 @@ def test_chat_template_options_are_vllms(engine):
         engine.chat(convo, GREEDY, chat_template_kwargs={"tokenize": False})
 
 
+def test_chat_takes_vllms_tools_and_text_content_parts(engine):
+    """vLLM's ``LLM.chat(tools=...)`` hands the tools to the template (a TypeError here before); a content of
+    OpenAI text parts is rendered as vLLM renders it for a string template, the texts joined by newlines (the
+    template's string concatenation raised jinja's TypeError before)."""
+    tok = engine.tokenizer
+    template = "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}" \
+               "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "sky", "parameters": {"type": "object", "properties": {}}}}]
+    convo = [{"role": "user", "content": "the sky is"}]
+    out = engine.chat(convo, GREEDY, use_tqdm=False, chat_template=template, tools=tools)[0]
+    assert tok.decode(out.prompt_token_ids) == "[sky]<user>the sky is"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "the sky"}, {"type": "text", "text": "is"}]}]
+    want = engine.apply_chat_template([{"role": "user", "content": "the sky\nis"}])
+    assert engine.chat(parts, GREEDY, use_tqdm=False)[0].prompt_token_ids == want
+    with pytest.raises(ValueError, match="content part"):
+        engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], GREEDY)
+    from rollout.server.protocol import ChatMessage
+    assert ChatMessage(role="user", content=parts[0]["content"]).text() == "the sky\nis"  # the HTTP server's
+
+
 def test_stream_chunks_add_up_to_the_result(engine):
     prompts = ["one two three", "the red car", "hello"]
     params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)

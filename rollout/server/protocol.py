@@ -85,8 +85,9 @@ class ChatMessage(Body):
     name: str | None = None
 
     def text(self) -> str:
+        """The content as the chat template gets it: text parts joined by newlines (vLLM's rendering)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
 
