@@ -16,6 +16,8 @@ REPLACEMENT_CHAR = "\ufffd"
 SEED_PROMPT_TOKENS = 5
 # How far back a seed may widen to start at a whole character: the prompt ids the scheduler sends (DecodeSpec)
 SEED_LOOKBACK_TOKENS = 5 * SEED_PROMPT_TOKENS
+# A held window longer than this is tested on its last this-many ids only (``_still_held``)
+HELD_CHECK_TOKENS = 8
 
 
 @dataclass
@@ -146,14 +148,28 @@ class IncrementalDetokenizer:
         ids = st.decode_ids
         if st.read_offset >= len(ids):
             return ""
+        if not flush and self._still_held(ids, st.read_offset):
+            return ""
         prefix_text = self._decode(ids[st.surr_offset:st.read_offset])
         new_text = self._decode(ids[st.surr_offset:])
         if len(new_text) <= len(prefix_text):
             return ""
-        if not flush and (new_text.endswith(REPLACEMENT_CHAR) or self._ends_in_byte_token(ids, st.read_offset)):
+        if not flush and new_text.endswith(REPLACEMENT_CHAR):
             return ""
         st.surr_offset, st.read_offset = st.read_offset, len(ids)
         return new_text[len(prefix_text):]
+
+    def _still_held(self, ids: list[int], start: int) -> bool:
+        """Whether the ids after ``start`` must stay held, told without decoding all of them: the last kept id is
+        a ``<0xNN>`` byte token, or more than ``HELD_CHECK_TOKENS`` are held and the decode of the last that many
+        still ends in U+FFFD. Without the second test a run that never settles (invalid bytes: a degenerate
+        rollout) was decoded whole at every step, quadratic in its length, while the one detokenizer process
+        served every request. Holding only delays text (a later step or the flush decodes the whole window), so
+        a tail that ends in U+FFFD where the whole window would not (its first bytes cut) only waits longer."""
+        if self._ends_in_byte_token(ids, start):
+            return True
+        return (len(ids) - start > HELD_CHECK_TOKENS
+                and self._decode(ids[-HELD_CHECK_TOKENS:]).endswith(REPLACEMENT_CHAR))
 
     def _ends_in_byte_token(self, ids: list[int], start: int) -> bool:
         """Whether the last id from ``start`` on that the decode keeps is a ``<0xNN>`` byte-fallback token."""
