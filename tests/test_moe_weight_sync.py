@@ -48,6 +48,26 @@ def test_malformed_expert_names_are_refused_and_nothing_changes(tiny_dir):
         assert engine.get_weight_state()["state"] == "consistent"
 
 
+
+def test_two_namings_of_one_expert_weight_in_one_update_are_refused(tiny_dir):
+    """A fused ``experts.gate_up_proj`` beside one of its experts' ``w1`` (or Mixtral's router under both its
+    names) in one call set the same stored weights: that was accepted and whichever came last won, silently.
+    Now refused before anything loads; one naming alone still loads."""
+    path = moe_path(tiny_dir, "mixtral")
+    fused, expert0 = "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+    routers = ["model.layers.0.mlp.gate.weight", "model.layers.0.block_sparse_moe.gate.weight"]
+    with Engine(path, dtype="float32", device="cpu") as engine:
+        fp0 = engine.weights_fingerprint()
+        gate_up = torch.randn(8, 96, 64)
+        for clash in ([(fused, gate_up), (expert0, gate_up[0, :48] * 2)],
+                      [(routers[0], torch.randn(8, 64)), (routers[1], torch.randn(8, 64))]):
+            with pytest.raises(ValueError, match="set the same weights in one update"):
+                engine.update_weights_from_tensor(clash)
+            assert engine.weights_fingerprint() == fp0
+            assert engine.get_weight_state()["state"] == "consistent"
+        engine.update_weights_from_tensor([(fused, gate_up)])
+        assert engine.get_weights_by_name(expert0, truncate_size=48) == gate_up[0, :48].tolist()
+
 @pytest.mark.parametrize("variant,mode,tp,dtype", [("qwen3_moe", "bucket", 2, "float32"),
                                                    ("mixtral", "per-tensor", 1, "float32"),
                                                    ("qwen3_moe", "per-tensor", 1, "bfloat16")])

@@ -77,7 +77,22 @@ class WeightUpdater:
                 out.append(f"wrong dtype for {spec.name!r}: {spec.dtype} is not a floating-point type")
         counts = Counter(s.name for s in specs)
         out += [f"parameter {n!r} appears more than once in one update" for n in sorted(counts) if counts[n] > 1]
-        return out
+        return out + self._overlaps(sorted(counts))
+
+    def _overlaps(self, names: list[str]) -> list[str]:
+        """Distinct names of one update that set the same stored parameter (a fused expert tensor beside one of
+        its experts, Mixtral's two router names): whichever came last would win. The tied head and embedding are
+        the one such pair accepted, as a ``state_dict`` carries both (their values are compared on arrival)."""
+        wm = self.weight_map
+        setters: dict[str, list[str]] = {}
+        for name in names:
+            if wm.full_shape(name) is not None:  # unknown names are reported already
+                for target in wm.covered(name):
+                    setters.setdefault(target, []).append(name)
+        clashes = {tuple(sent) for sent in setters.values()
+                   if len(sent) > 1 and set(wm.tied_pair(sent) or ()) != set(sent)}
+        return [f"parameters {list(sent)} set the same weights in one update (send one naming of them)"
+                for sent in sorted(clashes)]
 
     def nonfinite(self, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
         """The names whose values are not finite as the engine would store them: a value finite as sent may not
