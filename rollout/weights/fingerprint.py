@@ -131,13 +131,17 @@ def fingerprint(model_or_tensors: Any, dtype: torch.dtype | str | None = None,
 
     ``dtype`` casts each tensor first (pass the engine's dtype when the trainer keeps float32 master
     weights and the engine serves bfloat16). ``names`` restricts the set (default: all parameters).
+    Buffers the engine computes itself (a rotary ``inv_freq`` in a ``state_dict``) are left out, as the
+    engine stores none.
     ``quantization`` is the engine's (``"fp8"``): the weights it stores quantized enter as the fp8
     values and row scales the engine computes from them (``rollout.layers.quantization``). Expert
     parameters of MoE models may come in any naming (per expert, transformers 5's fused tensors, Mixtral's).
     """
+    from rollout.weights.weight_map import HFWeightMap
+
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    tensors = _named_tensors(model_or_tensors)
+    tensors = [(n, t) for n, t in _named_tensors(model_or_tensors) if not HFWeightMap.is_ignored(n)]
     wanted = set(names) if names is not None else None
     entries = []
     with torch.no_grad():

@@ -287,6 +287,7 @@ class WeightSync:
         """Reject (weights untouched) or load, then close the session if it is complete. A call rejected while
         a session is open leaves the earlier calls' parameters loaded: the weights are marked inconsistent,
         so only a complete update (not a later call that merely asks to close the session) makes them whole."""
+        tensors = self.updater.loadable(tensors)
         if not problems:
             problems = _tied_conflict(tensors, self.updater.weight_map)
         if check_finite and not problems:
@@ -300,6 +301,8 @@ class WeightSync:
                 closes = flush_cache or weight_version is not None
                 self.refused_before_session = None if closes else reason
             raise ValueError(reason)
+        if not tensors:
+            return self._apply_nothing(start, flush_cache, weight_version, group_name)
         refused = None
         if not self.updater.session:
             self.version_before_session = self.weight_version
@@ -314,6 +317,19 @@ class WeightSync:
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         done = self.updater.end_session(explicit=flush_cache or weight_version is not None)
         return self._finish(start, len(tensors), nbytes, done, weight_version)
+
+    def _apply_nothing(self, start: float, flush_cache: bool, weight_version: str | None, group_name: str | None
+                       ) -> dict[str, Any]:
+        """A call left with nothing to load (only buffers the engine computes itself, as a ``state_dict``'s last
+        bucket of rotary ``inv_freq`` may be): it closes an open session as asked; with none open (the push's
+        earlier calls completed the weights), its ``weight_version`` names the weights served."""
+        self.updater.touch_deadline(group_name, self.groups.timeout(group_name))
+        done = self.updater.end_session(explicit=flush_cache or weight_version is not None)
+        whole = not self.updater.session and self.updater.inconsistent is None and self.refused_before_session is None
+        if not done and weight_version is not None and whole:
+            self.weight_version = str(weight_version)
+            self.versions_named.add(self.weight_version)
+        return self._finish(start, 0, 0, done, weight_version)
 
     def _finish(self, start: float, loaded: int, nbytes: int, complete: bool, weight_version: str | None
                 ) -> dict[str, Any]:

@@ -68,6 +68,8 @@ class WeightUpdater:
     def _problems(self, specs: list[TensorSpec]) -> list[str]:
         out = []
         for spec in specs:
+            if self.weight_map.is_ignored(spec.name):  # received with the rest, then dropped (``loadable``)
+                continue
             try:
                 self.weight_map.check(spec.name, spec.shape)
             except ValueError as e:
@@ -93,6 +95,11 @@ class WeightUpdater:
                    if len(sent) > 1 and set(wm.tied_pair(sent) or ()) != set(sent)}
         return [f"parameters {list(sent)} set the same weights in one update (send one naming of them)"
                 for sent in sorted(clashes)]
+
+    def loadable(self, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """``tensors`` without the buffers the engine computes itself (``HFWeightMap.is_ignored``): a trainer's
+        ``state_dict()`` may carry a rotary ``inv_freq``, which vLLM and SGLang skip as well."""
+        return [(name, t) for name, t in tensors if not self.weight_map.is_ignored(name)]
 
     def nonfinite(self, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
         """The names whose values are not finite as the engine would store them: a value finite as sent may not

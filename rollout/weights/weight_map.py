@@ -31,7 +31,8 @@ _STACKED = (
     ("gate_up_proj", "up_proj", 1),
 )
 TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"  # one parameter when tied
-_IGNORED = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.cos_cached|rotary_emb\.sin_cached)$")
+# buffers a model computes itself, which a state_dict may still carry (vLLM and SGLang skip them too)
+_IGNORED = re.compile(r"rotary_emb\.(inv_freq|original_inv_freq|cos_cached|sin_cached)$")
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -101,6 +102,8 @@ class HFWeightMap:
 
     @staticmethod
     def is_ignored(hf_name: str) -> bool:
+        """A buffer the engine computes itself (rotary ``inv_freq``, its caches): accepted wherever sent, never
+        loaded, and left out of fingerprints."""
         return bool(_IGNORED.search(hf_name))
 
     def canonical(self, hf_name: str) -> str:

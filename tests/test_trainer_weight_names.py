@@ -1,0 +1,83 @@
+"""What real trainers send, by name: wrapped models' fingerprints and a state_dict's rotary buffers (CPU,
+gloo). Each push either loads (the engine's fingerprint equals ``weight_sync.fingerprint`` of the trainer's
+model, greedy outputs equal transformers') or is refused before anything changes."""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.nn as nn
+
+import weight_sync
+from rollout import SamplingParams
+from rollout.ipc import free_port
+from weight_sync.hf_compare import hf_greedy
+from weight_sync.sender import WeightSender
+
+
+@pytest.fixture(scope="module")
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def trained(model: nn.Module, factor: float) -> nn.Module:
+    """A copy of ``model`` with every parameter scaled (a stand-in for a training step)."""
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.mul_(factor)
+    return out
+
+
+def assert_serves(engine, model: nn.Module, fingerprint_of=None) -> None:
+    """The engine holds ``model``'s weights: fingerprints equal and greedy tokens equal transformers'."""
+    assert engine.get_weight_state()["state"] == "consistent"
+    assert engine.weights_fingerprint() == weight_sync.fingerprint(model if fingerprint_of is None else fingerprint_of)
+    prompt = [5, 6, 7, 8]
+    out = engine.generate(prompt_token_ids=[prompt], use_tqdm=False,
+                          sampling_params=SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(model, prompt, 8)
+
+
+def with_rotary_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` as transformers before 4.38 (or remote code) gave it: with persistent rotary
+    ``inv_freq`` buffers, the model-wide one and the older per-layer one."""
+    sd = dict(model.state_dict())
+    inv_freq = model.model.rotary_emb.inv_freq
+    sd["model.rotary_emb.inv_freq"] = inv_freq
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = inv_freq.clone()
+    sd["model.rotary_emb.original_inv_freq"] = inv_freq.clone()
+    return sd
+
+
+def test_rotary_buffers_of_a_state_dict_are_skipped_on_every_path(hf_model, engine):
+    """vLLM and SGLang skip a state_dict's ``rotary_emb.inv_freq`` (the engine computes it), as the engine's own
+    reload from disk does; a live update refused the whole call ("unknown parameter name"). Now they are received
+    and dropped over shared memory, flattened buckets and per-tensor calls, and the fingerprint leaves them out."""
+    group_name = "rotary"
+    joined = engine.init_process_group("127.0.0.1", port := free_port(), 1, 2, group_name, backend="gloo",
+                                       timeout=60, async_op=True)
+    group = weight_sync.init_process_group("127.0.0.1", port, 0, 2, group_name, backend="gloo", timeout=60)
+    joined.result(60)
+    try:
+        for k, send in enumerate(["tensor", "bucket", "per_tensor"]):
+            model = trained(hf_model, 1.0 + 0.01 * (k + 1))
+            sd = with_rotary_buffers(model)
+            if send == "tensor":
+                engine.update_weights_from_tensor(list(sd.items()), weight_version=send)
+            else:
+                WeightSender([engine], group, group_name, bucket_bytes=64 << 10, mode=send).send(sd.items(), send)
+            assert engine.get_weight_version() == send
+            assert weight_sync.fingerprint(sd) == weight_sync.fingerprint(model)
+            assert_serves(engine, model)
+    finally:
+        with ThreadPoolExecutor(1) as pool:
+            left = pool.submit(engine.destroy_process_group, group_name)
+            weight_sync.destroy_process_group(group)
+            left.result(60)
+        engine.update_weights_from_tensor(list(hf_model.named_parameters()), weight_version="restored")
