@@ -81,3 +81,30 @@ def test_rotary_buffers_of_a_state_dict_are_skipped_on_every_path(hf_model, engi
             weight_sync.destroy_process_group(group)
             left.result(60)
         engine.update_weights_from_tensor(list(hf_model.named_parameters()), weight_version="restored")
+
+
+class Wrapper(nn.Module):
+    """A generic wrapper: the model under ``module`` (DDP's and DeepSpeed's layout)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.module = inner
+
+
+def test_fingerprint_of_a_wrapped_model_names_its_parameters_as_the_engine_does(hf_model, engine):
+    """``weight_sync.fingerprint(model)`` of a DDP-, torch.compile- or checkpoint-wrapped model used the wrapper's
+    names (``module.``, ``_orig_mod.``, ``_checkpoint_wrapped_module.``), so after a correct push it differed from
+    the engine's: "the weights differ" although they were equal. It now names them as the senders do."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from trainer_adapters import push_colocated
+
+    model = trained(hf_model, 1.03)
+    checkpointed = copy.deepcopy(model)
+    checkpointed.model.layers[0] = checkpoint_wrapper(checkpointed.model.layers[0])
+    push_colocated(torch.compile(Wrapper(checkpointed)), [engine], weight_version="wrapped")
+    assert engine.get_weight_version() == "wrapped"
+    for wrapped in (Wrapper(model), torch.compile(model), checkpointed, torch.compile(Wrapper(checkpointed))):
+        assert engine.weights_fingerprint() == weight_sync.fingerprint(wrapped)
+    assert_serves(engine, model)
+    engine.update_weights_from_tensor(list(hf_model.named_parameters()), weight_version="restored")

@@ -182,11 +182,14 @@ def _stored_tensors(name: str, t: torch.Tensor, quantization: str | None) -> lis
 
 
 def _named_tensors(obj: Any) -> list[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs of a model's ``named_parameters``, a mapping or pairs. A tensor that is another
-    name of an earlier one (the same elements of the same storage: a tied ``lm_head.weight`` in a ``state_dict``)
-    counts once, as ``named_parameters`` counts a tied parameter once and the engine stores it once."""
+    """The (name, tensor) pairs of a model's ``named_parameters`` (under the engine's names: the components of a
+    DDP, DeepSpeed, ``torch.compile`` or activation-checkpointing wrapper dropped), a mapping or pairs. A tensor
+    that is another name of an earlier one (the same elements of the same storage: a tied ``lm_head.weight`` in a
+    ``state_dict``) counts once, as ``named_parameters`` counts a tied parameter once and the engine stores it once."""
     if hasattr(obj, "named_parameters"):
-        return list(obj.named_parameters())
+        from rollout.weights.wrapper_names import hf_named_parameters
+
+        return hf_named_parameters(obj)
     pairs = list(obj.items()) if isinstance(obj, Mapping) else list(obj)
     seen: set[tuple] = set()
     out = []
