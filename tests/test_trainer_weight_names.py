@@ -108,3 +108,27 @@ def test_fingerprint_of_a_wrapped_model_names_its_parameters_as_the_engine_does(
         assert engine.weights_fingerprint() == weight_sync.fingerprint(wrapped)
     assert_serves(engine, model)
     engine.update_weights_from_tensor(list(hf_model.named_parameters()), weight_version="restored")
+
+
+def test_a_peft_model_with_merged_adapters_pushes_as_its_merged_model(hf_model, engine):
+    """TRL and verl push a PEFT model as ``merge_adapter()`` leaves it: base weights under their own names
+    (``base_model.model.`` and ``.base_layer`` dropped, a ``modules_to_save`` copy under the module's name) and
+    no adapter weights. The engine refused those names whole. Unmerged adapters are refused before any call
+    (their base weights are not the model the trainer computes)."""
+    peft = pytest.importorskip("peft")
+    from trainer_adapters import param_source, push_colocated
+
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"],
+                             init_lora_weights=False)
+    model = peft.get_peft_model(copy.deepcopy(hf_model), config)
+    version = engine.get_weight_version()
+    with pytest.raises(ValueError, match="not merged"):
+        push_colocated(model, [engine], weight_version="unmerged")
+    assert engine.get_weight_version() == version
+    model.merge_adapter()
+    assert [m.name for m in param_source(model).metas()] == [n for n, _ in hf_model.named_parameters()]
+    push_colocated(model, [engine], weight_version="peft")
+    merged = copy.deepcopy(model).merge_and_unload()
+    assert engine.weights_fingerprint() == weight_sync.fingerprint(model) != weight_sync.fingerprint(hf_model)
+    assert_serves(engine, merged)
+    engine.update_weights_from_tensor(list(hf_model.named_parameters()), weight_version="restored")

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
-from trainer_adapters.names import hf_name, unwrap_model
+from trainer_adapters.names import hf_named_parameters, unwrap_model
 from weight_sync.sender import plan_buckets
 
 
@@ -52,7 +52,7 @@ class ParamSource:
 
     @staticmethod
     def _named(model: Any) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(hf_name(n, strip_outer=False), p) for n, p in model.named_parameters()]
+        return hf_named_parameters(model)
 
     def metas(self) -> list[ParamMeta]:
         return [ParamMeta(n, tuple(self.full_shape(p)), p.dtype) for n, p in self.params]

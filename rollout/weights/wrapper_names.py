@@ -32,8 +32,55 @@ def hf_name(name: str, strip_outer: bool = True) -> str:
 
 def hf_named_parameters(model: Any) -> list[tuple[str, Any]]:
     """``model``'s parameters under the names the engine takes: unwrapped (``unwrap_model``), wrapper
-    components dropped (``hf_name``). A plain ``transformers`` model's names come back unchanged."""
-    return [(hf_name(n, strip_outer=False), p) for n, p in unwrap_model(model).named_parameters()]
+    components dropped (``hf_name``). A plain ``transformers`` model's names come back unchanged.
+
+    A PEFT model (``get_peft_model``, or transformers' ``add_adapter``) gives its base weights under their
+    own names and leaves the adapter weights out, as TRL and verl send it; that is the model it computes only
+    with its adapters merged (``merge_adapter()`` before the push, ``unmerge_adapter()`` after), so adapters
+    that are active and not merged are a ``ValueError``."""
+    model = unwrap_model(model)
+    layers = _tuner_layers(model)
+    out = []
+    for name, p in model.named_parameters():
+        name = _base_name(name, layers) if layers else name
+        if name is not None:
+            out.append((hf_name(name, strip_outer=False), p))
+    return out
+
+
+def _tuner_layers(model: Any) -> set[str]:
+    """Names of the PEFT tuner layers of ``model`` (a LoRA ``Linear`` holding ``base_layer``); ValueError when
+    one has an active adapter that is not merged into its base layer."""
+    layers, unmerged = set(), []
+    for name, m in model.named_modules():
+        if not all(hasattr(m, a) for a in ("base_layer", "merged_adapters", "active_adapters",
+                                            "adapter_layer_names")):
+            continue
+        layers.add(name)
+        held = {a for attr in m.adapter_layer_names for a in getattr(m, attr, {})}
+        if not getattr(m, "disable_adapters", False) and (set(m.active_adapters) & held) - set(m.merged_adapters):
+            unmerged.append(name)
+    if unmerged:
+        raise ValueError(f"{len(unmerged)} PEFT layers (e.g. {unmerged[0]!r}) have active adapters that are not "
+                         "merged: the engine serves plain weights, so call model.merge_adapter() before the push and "
+                         "model.unmerge_adapter() after it (or push merge_and_unload()'s model)")
+    return layers
+
+
+def _base_name(name: str, layers: set[str]) -> str | None:
+    """The name of a PEFT model's parameter in the model its merged adapters make (None: an adapter weight, or
+    the frozen original beside a ``modules_to_save`` copy): ``...q_proj.base_layer.weight`` → ``...q_proj.weight``,
+    ``lm_head.modules_to_save.default.weight`` → ``lm_head.weight``."""
+    parts = name.split(".")
+    if "original_module" in parts:
+        return None
+    if "modules_to_save" in parts:
+        i = parts.index("modules_to_save")
+        del parts[i:i + 2]
+    for k in range(len(parts) - 1, 0, -1):
+        if ".".join(parts[:k]) in layers:
+            return ".".join(parts[:k] + parts[k + 1:]) if parts[k] == "base_layer" else None
+    return ".".join(parts)
 
 
 def unwrap_model(model: Any) -> Any:
@@ -44,6 +91,10 @@ def unwrap_model(model: Any) -> Any:
     seen = set()
     while id(model) not in seen:
         seen.add(id(model))
+        inner = _peft_inner(model)
+        if inner is not None:
+            model = inner
+            continue
         inner = getattr(model, "_orig_mod", None)
         if isinstance(inner, nn.Module):
             model = inner
@@ -52,6 +103,16 @@ def unwrap_model(model: Any) -> Any:
         if isinstance(inner, nn.Module) and _is_wrapper(model):
             model = inner
     return model
+
+
+def _peft_inner(model: Any) -> Any:
+    """The model a PEFT ``PeftModel`` (``base_model``) or tuner model (``LoraModel``: ``model``) wraps, else None."""
+    import torch.nn as nn
+
+    classes = {cls.__name__ for cls in type(model).__mro__}
+    attr = "base_model" if "PeftModel" in classes else "model" if "BaseTuner" in classes else None
+    inner = getattr(model, attr, None) if attr else None
+    return inner if isinstance(inner, nn.Module) else None
 
 
 _WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "DeepSpeedEngine", "PipelineEngine",
