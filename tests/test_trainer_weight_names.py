@@ -115,7 +115,7 @@ def test_a_peft_model_with_merged_adapters_pushes_as_its_merged_model(hf_model, 
     (``base_model.model.`` and ``.base_layer`` dropped, a ``modules_to_save`` copy under the module's name) and
     no adapter weights. The engine refused those names whole. Unmerged adapters are refused before any call
     (their base weights are not the model the trainer computes)."""
-    peft = pytest.importorskip("peft")
+    import peft  # the test extra installs it
     from trainer_adapters import param_source, push_colocated
 
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"],
