@@ -108,7 +108,7 @@ def test_engine_options_accept_vllm_arguments():
 
 def test_sampling_params_from_ours_a_dict_or_a_vllm_object():
     ours = SamplingParams(temperature=0.5, max_new_tokens=7, logprobs=0)
-    assert to_sampling_params(ours) is ours
+    assert to_sampling_params(ours) == ours  # a copy, as vLLM clones at submission
     d = to_sampling_params({"temperature": 0.5, "max_tokens": 7, "logprobs": 0, "stop": ["\n"]})
     assert (d.temperature, d.max_new_tokens, d.logprobs, d.stop) == (0.5, 7, 0, ["\n"])
     vllm_like = types.SimpleNamespace(n=2, temperature=0.7, top_p=0.9, top_k=0, min_p=0.0, seed=None,

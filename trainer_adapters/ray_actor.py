@@ -96,7 +96,7 @@ def to_sampling_params(params: Any, logprobs_mode: str | None = None) -> Samplin
     """Our ``SamplingParams``, a dict of vLLM/SGLang field names, or a vLLM ``SamplingParams`` object
     (its fields that we share are copied; a vLLM-only field set away from its default is a ValueError).
     ``logprobs_mode`` ("raw" / "processed") is the default for a dict, a vLLM object or None that names no
-    mode of its own; our ``SamplingParams`` always names one and is used as it is."""
+    mode of its own; our ``SamplingParams`` always names one and is used with its own values (a copy)."""
     if logprobs_mode is not None and not isinstance(params, SamplingParams):
         params = _with_logprobs_mode(params, logprobs_mode)
     if params is None or isinstance(params, (SamplingParams, Mapping)):
