@@ -140,8 +140,16 @@ class Engine:
     reset_prefix_cache = flush_cache
 
     def pause_generation(self, mode: str = "abort") -> Any:
-        """Hold new requests; ``abort`` in-flight ones, ``retract`` them (re-run later) or keep them ``in_place``."""
-        return self._call(PauseGenerationReq(mode=mode))
+        """Hold new requests; ``abort`` in-flight ones, ``retract`` them (re-run later) or keep them ``in_place``.
+
+        With ``abort`` it returns once every request submitted before the call has its final output (finish
+        reason "abort" with what it generated so far), as SGLang's and vLLM's pause return only when no request
+        is left in flight: ``get_num_unfinished_requests()`` is then 0 and the callers' ``generate`` calls
+        have returned."""
+        live = self.tokenizer_manager.unfinished() if mode == "abort" else []
+        result = self._call(PauseGenerationReq(mode=mode))
+        self.tokenizer_manager.wait_finished(live)
+        return result
 
     def continue_generation(self) -> Any:
         return self._call(ContinueGenerationReq())

@@ -204,6 +204,17 @@ class TokenizerManager:
                 self.to_scheduler.send_pyobj(AbortReq(sub))
         return True
 
+    def unfinished(self) -> list[ReqState]:
+        """The requests submitted and not finished yet, as the receiver knows them now."""
+        with self.send_lock:
+            return [state for state in self.states.values() if not state.finished]
+
+    def wait_finished(self, states: list[ReqState], poll_s: float = 0.002) -> None:
+        """Block until every one of ``states`` has its final output (or failed: a dead or closed engine fails
+        them all). Their last outputs come through the detokenizer, after a control call's reply."""
+        while not all(state.finished for state in states):
+            time.sleep(poll_s)
+
     # ---- control ------------------------------------------------------------------------------
 
     def control_async(self, req: ControlReq) -> Future:

@@ -1,0 +1,61 @@
+"""Interrupting generation in RL loops: ``pause_generation`` in its three modes, ``abort``, and what a caller
+sees of the requests it interrupted (SGLang's and vLLM's semantics)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from rollout import Engine, SamplingParams
+from rollout.io_struct import BatchTokenOut
+
+LONG = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True, logprobs=0)
+
+
+def _wait_for_tokens(engine, n: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.get_server_info()["gen_tokens"] < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+def _slow_outputs(engine, delay_s: float) -> None:
+    """Hold every token message ``delay_s`` in the receiver before it applies: the aborted requests' last outputs
+    (which go through the detokenizer) then surely come after the pause call's reply (which does not)."""
+    tm = engine.tokenizer_manager
+    dispatch = tm._dispatch
+
+    def slow(msg):
+        if isinstance(msg, BatchTokenOut) and any(out.finished is not None for out in msg.outs):
+            time.sleep(delay_s)
+        dispatch(msg)
+
+    tm._dispatch = slow
+
+
+def test_pause_abort_returns_once_the_aborted_requests_have_returned(path, hf_reference):
+    """SGLang's ``pause_generation(mode="abort")`` returns once no request is in flight (it waits for the
+    tokenizer manager's requests to end), vLLM's ``pause_generation`` once its requests have drained: a trainer
+    that pauses, then reads the partial rollouts and pushes weights, must find every request finished. Here the
+    call returned when the scheduler had aborted them, before their last outputs reached the caller."""
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    with Engine(path, dtype="float32", device="cpu") as engine:
+        _slow_outputs(engine, 0.3)
+        for _ in range(2):
+            box: dict = {}
+            worker = threading.Thread(target=lambda: box.setdefault("out", engine.generate(
+                prompt_token_ids=prompts, sampling_params=LONG, use_tqdm=False)))
+            worker.start()
+            _wait_for_tokens(engine, engine.get_server_info()["gen_tokens"] + 8)
+            assert engine.pause_generation(mode="abort")
+            assert engine.get_num_unfinished_requests() == 0
+            worker.join(5)
+            assert not worker.is_alive(), "generate still waits after pause_generation(mode='abort') returned"
+            engine.continue_generation()
+            hf = hf_reference(path)
+            for prompt, out in zip(prompts, box["out"]):
+                c = out.outputs[0]
+                assert c.finish_reason == "abort" and 0 < len(c.token_ids) < 400
+                assert len(c.token_logprobs) == len(c.token_weight_versions) == len(c.token_ids)
+                assert c.token_ids == hf.greedy(prompt, len(c.token_ids))
+        assert engine.get_load()["kv_used"] == 0
