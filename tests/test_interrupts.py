@@ -59,3 +59,30 @@ def test_pause_abort_returns_once_the_aborted_requests_have_returned(path, hf_re
                 assert len(c.token_logprobs) == len(c.token_weight_versions) == len(c.token_ids)
                 assert c.token_ids == hf.greedy(prompt, len(c.token_ids))
         assert engine.get_load()["kv_used"] == 0
+
+
+def test_requests_aborted_for_a_waiting_update_return_before_it_runs(path):
+    """An update queued behind running requests (no ``update_weights_in_flight``) runs once they are aborted; their
+    final outputs must leave before it starts, since the update may wait on the trainer (a broadcast it sends only
+    after ``pause_generation`` returned, and that call waits for those outputs). They were sent after it."""
+    import torch
+
+    from rollout.config import EngineConfig, ModelConfig
+    from rollout.distributed import TPGroup
+    from rollout.io_struct import GenerateReq, PauseGenerationReq, UpdateWeightsFromDiskReq
+    from rollout.scheduler.scheduler import Scheduler
+
+    config = EngineConfig(path, dtype="float32", device="cpu", skip_tokenizer_init=True)
+    sched = Scheduler(config, ModelConfig.from_path(path), TPGroup(), torch.device("cpu"))
+    events: list[tuple[str, object]] = []
+    sched.reply = lambda reply: events.append(("reply", reply.cid))
+    sched.outputs.send = lambda batch: events.extend(("out", o.rid) for o in batch.outs if o.finished is not None)
+    sched.handle(GenerateReq("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True), 0))
+    for _ in range(4):
+        sched.step()
+    sched.handle(UpdateWeightsFromDiskReq(model_path=path, cid=1))  # waits for "r"
+    sched.handle(PauseGenerationReq(mode="abort", cid=2))
+    while sched.busy:
+        sched.step()
+    sched.emit()
+    assert events == [("reply", 2), ("out", "r"), ("reply", 1)], events

@@ -364,6 +364,7 @@ class Scheduler:
         if not self.update_queue or (busy and not self._runs_now(self.update_queue[0])):
             return
         self.sync()  # no forward may read the weights while they change
+        self.emit()  # requests that ended (aborted to let the call run) return before it, which may wait on a trainer
         while self.update_queue and (not busy or self._runs_now(self.update_queue[0])):
             self.reply(self.run_control(self.update_queue.popleft()))
 
