@@ -61,19 +61,25 @@ def test_pause_abort_returns_once_the_aborted_requests_have_returned(path, hf_re
         assert engine.get_load()["kv_used"] == 0
 
 
-def test_requests_aborted_for_a_waiting_update_return_before_it_runs(path):
-    """An update queued behind running requests (no ``update_weights_in_flight``) runs once they are aborted; their
-    final outputs must leave before it starts, since the update may wait on the trainer (a broadcast it sends only
-    after ``pause_generation`` returned, and that call waits for those outputs). They were sent after it."""
+def _scheduler(path: str, **options):
+    """A scheduler driven in this process (float32, CPU, no tokenizer)."""
     import torch
 
     from rollout.config import EngineConfig, ModelConfig
     from rollout.distributed import TPGroup
-    from rollout.io_struct import GenerateReq, PauseGenerationReq, UpdateWeightsFromDiskReq
     from rollout.scheduler.scheduler import Scheduler
 
-    config = EngineConfig(path, dtype="float32", device="cpu", skip_tokenizer_init=True)
-    sched = Scheduler(config, ModelConfig.from_path(path), TPGroup(), torch.device("cpu"))
+    config = EngineConfig(path, dtype="float32", device="cpu", skip_tokenizer_init=True, **options)
+    return Scheduler(config, ModelConfig.from_path(path), TPGroup(), torch.device("cpu"))
+
+
+def test_requests_aborted_for_a_waiting_update_return_before_it_runs(path):
+    """An update queued behind running requests (no ``update_weights_in_flight``) runs once they are aborted; their
+    final outputs must leave before it starts, since the update may wait on the trainer (a broadcast it sends only
+    after ``pause_generation`` returned, and that call waits for those outputs). They were sent after it."""
+    from rollout.io_struct import GenerateReq, PauseGenerationReq, UpdateWeightsFromDiskReq
+
+    sched = _scheduler(path)
     events: list[tuple[str, object]] = []
     sched.reply = lambda reply: events.append(("reply", reply.cid))
     sched.outputs.send = lambda batch: events.extend(("out", o.rid) for o in batch.outs if o.finished is not None)
@@ -86,3 +92,29 @@ def test_requests_aborted_for_a_waiting_update_return_before_it_runs(path):
         sched.step()
     sched.emit()
     assert events == [("reply", 2), ("out", "r"), ("reply", 1)], events
+
+
+def test_a_retracted_stream_gets_the_tokens_it_has_before_it_runs_again(path, hf_reference):
+    """A streaming request retracted (by ``pause_generation(mode="retract")``, or for want of KV slots) had its last
+    sampled tokens held back until it was re-admitted: for the whole pause (a weight update), or as long as the
+    pool stays full. SGLang streams every token once its step is read."""
+    from rollout.io_struct import ContinueGenerationReq, GenerateReq, PauseGenerationReq
+
+    sched = _scheduler(path)
+    sent: dict[str, list[int]] = {}
+    sched.outputs.send = lambda batch: [sent.setdefault(o.rid, []).extend(o.token_ids) for o in batch.outs]
+    sched.reply = lambda reply: None
+    prompt = [5, 6, 7]
+    sched.handle(GenerateReq("s", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), 0,
+                             stream=True))
+    for _ in range(6):
+        sched.step()
+    sched.handle(PauseGenerationReq(mode="retract", cid=1))
+    sched.emit()  # the scheduler loop's idle pass
+    req = sched.waiting[0]
+    assert len(req.output_ids) >= 5 and sent["s"] == req.output_ids
+    sched.handle(ContinueGenerationReq(cid=2))
+    while sched.busy:
+        sched.step()
+    sched.emit()
+    assert sent["s"] == hf_reference(path).greedy(prompt, 40)

@@ -90,6 +90,7 @@ class DecodeManager:
         """Give a running request's KV back and requeue it at the front; it resumes by re-prefilling."""
         self.cache.release(req)
         waiting.appendleft(req)
+        self.outputs.retract(req)
         self.stats.retractions += 1
 
     def build_step(self, reqs: list[Req]) -> StepInput:

@@ -20,6 +20,7 @@ class OutputManager:
         self.send = send
         self.live: dict[str, Req] = {}  # added and not finished yet
         self.finished: list[Req] = []   # finished since the last emit
+        self.retracted: list[Req] = []  # left the running requests since the last emit (their tokens may be unsent)
 
     def add(self, req: Req) -> None:
         self.live[req.rid] = req
@@ -29,11 +30,19 @@ class OutputManager:
         self.live.pop(req.rid, None)
         self.finished.append(req)
 
+    def retract(self, req: Req) -> None:
+        """``req`` leaves the running requests unfinished (retracted): a stream gets the tokens it already has at
+        the next ``emit``, not once the request runs again (after a pause, or when the KV pool has room)."""
+        self.retracted.append(req)
+
     def emit(self, running: Iterable[Req], weight_version: str) -> None:
-        """Send every finished request, and the new tokens of streaming running requests."""
+        """Send every finished request, and the new tokens of streaming running (or just retracted) requests."""
         outs = [self.token_out(r, weight_version) for r in self.finished]
         self.finished.clear()
-        outs += [self.token_out(r, weight_version) for r in running if r.stream and len(r.output_ids) > r.sent]
+        for reqs in (running, self.retracted):  # one that ran again since it was retracted is sent once
+            outs += [self.token_out(r, weight_version) for r in reqs
+                     if r.stream and r.finished is None and len(r.output_ids) > r.sent]
+        self.retracted.clear()
         if outs and self.send is not None:
             self.send(BatchTokenOut(outs))
 
