@@ -60,6 +60,7 @@ class TokenizerManager:
         self.to_scheduler = socket(self.ctx, zmq.PUSH, paths.scheduler, bind=False)
         self.to_detokenizer = socket(self.ctx, zmq.PUSH, paths.detokenizer, bind=False)
         self.send_lock = threading.RLock()  # re-entrant: ``close`` may run in a finalizer on a thread that holds it
+        self.finished_cv = threading.Condition()  # notified when a request finishes or fails (``wait_finished``)
         self.to_abort: collections.deque[str] = collections.deque()  # abort_soon's requests, for the receiver
         self.states: dict[str, ReqState] = {}
         self.sub_to_state: dict[str, tuple[ReqState, int]] = {}
@@ -209,11 +210,13 @@ class TokenizerManager:
         with self.send_lock:
             return [state for state in self.states.values() if not state.finished]
 
-    def wait_finished(self, states: list[ReqState], poll_s: float = 0.002) -> None:
+    def wait_finished(self, states: list[ReqState]) -> None:
         """Block until every one of ``states`` has its final output (or failed: a dead or closed engine fails
-        them all). Their last outputs come through the detokenizer, after a control call's reply."""
-        while not all(state.finished for state in states):
-            time.sleep(poll_s)
+        them all). Their last outputs come through the detokenizer, after a control call's reply. Woken by
+        ``_notify``; the timeout only bounds a wait past a wake-up missed by a path that does not notify."""
+        with self.finished_cv:
+            while not all(state.finished for state in states):
+                self.finished_cv.wait(timeout=_LIVENESS_CHECK_S)
 
     # ---- control ------------------------------------------------------------------------------
 
@@ -301,6 +304,9 @@ class TokenizerManager:
             state.sink(state)
         except Exception:  # noqa: BLE001
             logger.exception("request %s: its output sink failed", state.rid)
+        if state.finished:
+            with self.finished_cv:
+                self.finished_cv.notify_all()
 
     def _fail_all(self, message: str) -> None:
         self.dead = message
