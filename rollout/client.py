@@ -18,9 +18,10 @@ import json
 import time
 import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from rollout.dtypes import dtype_name
+from rollout.engine_inputs import abort_ids
 
 DEFAULT_TIMEOUT_S = 3600.0
 
@@ -148,8 +149,9 @@ class EngineClient:
     def is_sleeping(self) -> bool:
         return bool(self._call("GET", "/is_sleeping")["is_sleeping"])
 
-    def abort(self, request_id: str) -> bool:
-        return bool(self._post("/abort_request", {"rid": request_id})["success"])
+    def abort(self, request_id: str | Iterable[str]) -> bool:
+        """``Engine.abort``: one id or a list; True when any of them was live."""
+        return any([bool(self._post("/abort_request", {"rid": rid})["success"]) for rid in abort_ids(request_id)])
 
     # ---- serving ----------------------------------------------------------------------------------
 

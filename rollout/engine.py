@@ -14,12 +14,12 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 
 from rollout import engine_outputs
 from rollout.config import EngineConfig, ModelConfig
 from rollout.dtypes import dtype_name
-from rollout.engine_inputs import ChatTemplateOptions, PromptItem, chat_prompt_ids, normalize
+from rollout.engine_inputs import ChatTemplateOptions, PromptItem, chat_prompt_ids, normalize, abort_ids
 from rollout.io_struct import (BenchmarkReceiveReq, ContinueGenerationReq, ControlReq, DestroyProcessGroupReq,
                                FlushCacheReq, GetLoadReq, GetMemoryStateReq, GetStepStatsReq, GetWeightsByNameReq,
                                GetWeightStateReq, GetWeightVersionReq, InitProcessGroupReq, PauseGenerationReq,
@@ -109,10 +109,11 @@ class Engine:
                             options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages, options)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str | Iterable[str]) -> bool:
         """Abort a request (all its samples) or, by its id ``<request_id>#<i>``, one sample of a request with
-        n > 1; its outputs end with finish reason "abort". False when nothing live has that id."""
-        return self.tokenizer_manager.abort(request_id)
+        n > 1; its outputs end with finish reason "abort". Several ids at once as vLLM's ``abort_request`` takes
+        them (a list). False when nothing live has any of the ids."""
+        return any([self.tokenizer_manager.abort(rid) for rid in abort_ids(request_id)])
 
     def get_num_unfinished_requests(self) -> int:
         """Requests submitted and not finished yet (vLLM's name; a request of ``n`` samples counts once)."""

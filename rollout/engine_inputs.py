@@ -71,6 +71,15 @@ def _with_text_content(message: Any) -> Any:
     return message
 
 
+def abort_ids(ids: Any) -> list[str]:
+    """One request id or several (vLLM's ``abort_request`` takes a string or an iterable of them) as a list;
+    ValueError for anything else."""
+    out = [ids] if isinstance(ids, str) else list(ids) if isinstance(ids, (list, tuple, set, frozenset)) else None
+    if out is None or not all(isinstance(rid, str) for rid in out):
+        raise ValueError(f"request ids must be a string or a list of strings, got {ids!r}")
+    return out
+
+
 def check_unicode(text: str, what: str) -> None:
     """ValueError if ``text`` holds a lone UTF-16 surrogate (valid JSON can carry one; no tokenizer takes it)."""
     try:

@@ -118,3 +118,22 @@ def test_a_retracted_stream_gets_the_tokens_it_has_before_it_runs_again(path, hf
         sched.step()
     sched.emit()
     assert sent["s"] == hf_reference(path).greedy(prompt, 40)
+
+
+def test_abort_takes_several_ids_as_vllm_does(path):
+    """vLLM's ``abort_request`` takes one id or an iterable of them; a list raised "unhashable type" here."""
+    with Engine(path, dtype="float32", device="cpu") as engine:
+        box: dict = {}
+        worker = threading.Thread(target=lambda: box.setdefault("out", engine.generate(
+            prompt_token_ids=[[5, 6, 7], [8, 9, 10], [11, 12]], sampling_params=LONG, request_id=["a", "b", "c"],
+            use_tqdm=False)))
+        worker.start()
+        _wait_for_tokens(engine, 8)
+        assert engine.abort(["a", "c", "unknown"])
+        worker.join(60)
+        assert [o.outputs[0].finish_reason for o in box["out"]] == ["abort", "length", "abort"]
+        assert not engine.abort(["a", "unknown"])
+        import pytest
+
+        with pytest.raises(ValueError, match="request ids"):
+            engine.abort(["a", 3])
