@@ -136,3 +136,24 @@ def test_routed_experts_bad_requests_are_clear_errors(tiny_dir, path):
     with Engine(moe, dtype="float32", device="cpu", enable_return_routed_experts=True) as on:
         with pytest.raises(ValueError, match=r"routed_experts_start_len \(3\) must be at most the prompt length \(2\)"):
             on.generate(prompt_token_ids=[[5, 6]], sampling_params=ask.clone(routed_experts_start_len=3))
+
+
+def test_an_aborted_request_returns_the_routing_of_its_partial_tokens(tiny_dir, hf_reference):
+    """SGLang finishes an aborted running request like any other (``maybe_collect_routed_experts`` once it is
+    finished), so its final output carries the routing of the tokens it generated: what a partial rollout
+    (``pause_generation(mode="abort")``, then resubmitted) replays. Here an abort returned no routing."""
+    path = moe_path(tiny_dir, "qwen3_moe")
+    model = hf_reference(path).model
+    prompt = [5, 6, 7, 8]
+    params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True, return_routed_experts=True)
+    with Engine(path, dtype="float32", device="cpu", enable_return_routed_experts=True) as engine:
+        stream = engine.generate(prompt_token_ids=[prompt], sampling_params=params, stream=True, request_id="r")
+        chunks = [next(stream)]
+        assert engine.abort("r")
+        chunks += list(stream)
+    last = chunks[-1].outputs[0]
+    tokens = [t for c in chunks for t in c.outputs[0].token_ids]
+    assert last.finish_reason == "abort" and 0 < len(tokens) < 400
+    seq = prompt + tokens
+    assert last.routed_experts is not None and last.routed_experts.shape == (len(seq) - 1, 2, 2)
+    np.testing.assert_array_equal(last.routed_experts, hf_routing(model, seq[:-1]))

@@ -134,10 +134,14 @@ class KVCacheManager:
     def read_routed_experts(self, req: Req) -> None:
         """Set ``req.routed_experts`` (when it asked for them) from the routing kept beside its KV: positions
         [routed_experts_start_len, seq_len - 1), every one that went through the model. Call before
-        ``release``."""
+        ``release``, for any request that ends (finished, or aborted with its partial tokens as SGLang returns
+        them). A request whose KV does not cover those positions (aborted while waiting, retracted, or part-way
+        through its prefill) gets none."""
         if not req.sampling.return_routed_experts or self.routed_experts is None or req.pool_row is None:
             return
-        end = min(req.seq_len - 1, req.kv_len)
+        if req.kv_len < req.seq_len - 1:
+            return
+        end = req.seq_len - 1
         slots = self.req_pool.slots(req.pool_row, end)[req.sampling.routed_experts_start_len:]
         req.routed_experts = self.routed_experts.read(slots)
 

@@ -81,6 +81,7 @@ class DecodeManager:
                         retracted, len(running), before, self.ratio.value)
         if not self.cache.ensure_free(self.cache.decode_slots_needed(reqs)):
             victim = running.pop()  # the last request standing does not fit one step
+            self.cache.read_routed_experts(victim)
             self.cache.release(victim)
             self.outputs.finish(victim, FinishReason("abort", message="sequence does not fit in the KV cache"))
             return []

@@ -162,6 +162,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.prefill.drop(req)
+        self.cache.read_routed_experts(req)  # the partial tokens' routing, as SGLang returns it on an abort
         self.cache.release(req)
         self.outputs.finish(req, reason or FinishReason("abort", message="aborted"))
 
