@@ -184,6 +184,9 @@ class ModelRunner:
         return self.config.enable_return_routed_experts and self.model_cfg.is_moe
 
     def _kv_slots(self, kv_heads_local: int) -> int:
+        """KV slots from ``max_total_tokens`` or the memory budget, at most what ``max_running_requests`` requests
+        of the whole context can use, and never so few that the context (clipped to ``num_slots - 1``) shrinks
+        for that cap alone: one request of the whole context plus a page."""
         per_token = KVPool.bytes_per_token(self.model_cfg.num_layers, kv_heads_local, self.model_cfg.head_dim,
                                            self.kv_dtype)
         if self.records_routing:
@@ -197,7 +200,10 @@ class ModelRunner:
             slots = int(budget // per_token)
         else:
             slots = int(self.config.cpu_kv_cache_gb * (1 << 30) // per_token)
-        slots = min(slots, max(self.context_len * self.config.max_running_requests, 1))
+        # a pool of exactly the context would clip the context by one token (max_running_requests=1 refused a
+        # prompt of context - 1 tokens, and ended max_tokens=None outputs a token early)
+        slots = min(slots, max(self.context_len * self.config.max_running_requests,
+                               self.context_len + self.config.page_size))
         if self.tp.size > 1:  # every rank must agree on the pool size
             t = torch.tensor([slots], dtype=torch.int64)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp.cpu_group)

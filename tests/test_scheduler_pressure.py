@@ -1,0 +1,53 @@
+"""The scheduler with its knobs set tight: the context a small ``max_running_requests`` leaves, and every
+request served exactly, its KV and prefix-cache locks given back, in a pool barely larger than one request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import prompts_of_lengths
+from rollout.config import EngineConfig, ModelConfig
+from rollout.distributed import TPGroup
+from rollout.io_struct import GenerateReq
+from rollout.sampling_params import SamplingParams
+from rollout.scheduler.scheduler import Scheduler
+
+
+def _scheduler(path: str, **options) -> Scheduler:
+    config = EngineConfig(path, dtype="float32", device="cpu", skip_tokenizer_init=True, **options)
+    sched = Scheduler(config, ModelConfig.from_path(path), TPGroup(), torch.device("cpu"))
+    sched.reply = lambda reply: None
+    return sched
+
+
+def _serve(sched: Scheduler, prompts: list[list[int]], max_tokens: int | None) -> list:
+    """Run ``prompts`` greedily to their end; the scheduler's requests, in order."""
+    for i, prompt in enumerate(prompts):
+        sched.handle(GenerateReq(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                 ignore_eos=True), 0))
+    reqs = [sched.outputs.live[f"r{i}"] for i in range(len(prompts))]
+    for _ in range(10_000):
+        if not sched.busy:
+            break
+        sched.step()
+    assert not sched.busy
+    return reqs
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("pool", [None, 1024], ids=["memory", "max_total_tokens"])
+def test_one_running_request_keeps_the_whole_context(tiny_dir, hf_reference, page, pool):
+    """``max_running_requests=1`` capped the pool at exactly the context, and the context is clipped to the pool
+    less one slot: the engine served a context of 39 for context_length=40, refused a 39-token prompt (vLLM
+    serves it, one token) and ended a max_tokens=None output a token before the context's end."""
+    path = tiny_dir("llama")
+    sched = _scheduler(path, context_length=40, max_running_requests=1, page_size=page, max_total_tokens=pool)
+    assert sched.context_len == 40
+    prompts = prompts_of_lengths([39, 10], seed=7)
+    reqs = _serve(sched, prompts, None)
+    hf = hf_reference(path)
+    for prompt, req in zip(prompts, reqs):
+        assert req.finished.type == "length", req.finished
+        assert req.output_ids == hf.greedy(prompt, 40 - len(prompt))
+    assert sched.cache.used == 0
