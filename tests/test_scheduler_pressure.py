@@ -51,3 +51,16 @@ def test_one_running_request_keeps_the_whole_context(tiny_dir, hf_reference, pag
         assert req.finished.type == "length", req.finished
         assert req.output_ids == hf.greedy(prompt, 40 - len(prompt))
     assert sched.cache.used == 0
+
+
+def test_samples_of_one_prompt_prefill_together_without_the_prefix_cache(tiny_dir, hf_reference):
+    """Requests sharing a prompt the batch computes wait for its prefix-cache entry; with the cache disabled
+    there is none, and GRPO's n samples of one prompt were prefilled one per step (8 steps for n=8)."""
+    path = tiny_dir("llama")
+    sched = _scheduler(path, disable_radix_cache=True)
+    prompt = prompts_of_lengths([60], seed=1)[0]
+    reqs = _serve(sched, [prompt] * 8, 3)
+    assert sched.stats.prefill_steps[0] == 1
+    expected = hf_reference(path).greedy(prompt, 3)
+    assert all(r.output_ids == expected and r.finished.type == "length" for r in reqs)
+    assert sched.cache.used == 0 and sched.cache.allocator.available == sched.cache.num_slots

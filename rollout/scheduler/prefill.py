@@ -9,7 +9,8 @@ Policy (``PrefillManager.schedule``):
    output budgets of the requests admitted in this step stay free (SGLang's ``PrefillAdder``); a request
    admitted while nothing else runs needs room for its chunk only.
 3. A request whose prompt a request in this batch (or the prefill in flight) is computing waits for that
-   cache entry instead of computing it twice; a prompt that fits a batch of its own is not split to fill
+   cache entry instead of computing it twice (with the prefix cache on: without it there is no entry to
+   wait for, and such requests join the batch); a prompt that fits a batch of its own is not split to fill
    the rest of this one.
 """
 
@@ -93,7 +94,7 @@ class PrefillManager:
     def _admit_new(self, req: Req, budget: int, kept: int, in_batch: "PromptsInBatch",
                    split_ok: bool = True) -> int | None:
         """Place a waiting request's cached prefix and first chunk, if ``kept`` more slots stay free beside
-        it; 0 = no room now, None = defer.
+        it; 0 = no room now, None = defer (a prompt the batch computes, to be reused from the prefix cache).
 
         Without ``split_ok`` (the batch already holds requests) a prompt that would fit a batch of its own
         is not split to fill the rest of this one: it waits for the next batch whole (0). A whole prompt
@@ -102,7 +103,7 @@ class PrefillManager:
         fill = req.fill_ids
         key = fill[:req.prefix_match_len()]
         prefix, node = self.cache.match(key)
-        extra = in_batch.shared_len(key) - len(prefix)
+        extra = 0 if self.cache.disabled else in_batch.shared_len(key) - len(prefix)  # no cache: nothing to reuse
         if extra > 0 and extra >= min(self.config.in_batch_prefix_threshold, len(fill) - 1 - len(prefix)):
             return None  # computed by a request already in this batch: wait and reuse its cache entry
         rest = len(fill) - len(prefix)
