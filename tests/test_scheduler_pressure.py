@@ -53,14 +53,19 @@ def test_one_running_request_keeps_the_whole_context(tiny_dir, hf_reference, pag
     assert sched.cache.used == 0
 
 
-def test_samples_of_one_prompt_prefill_together_without_the_prefix_cache(tiny_dir, hf_reference):
+@pytest.mark.parametrize("length, options", [(60, dict(disable_radix_cache=True)), (4, dict(page_size=4)),
+                                             (12, dict(page_size=16))], ids=["no-cache", "page4", "page16"])
+def test_samples_of_one_prompt_prefill_together_when_the_cache_cannot_share_it(tiny_dir, hf_reference, length,
+                                                                              options):
     """Requests sharing a prompt the batch computes wait for its prefix-cache entry; with the cache disabled
-    there is none, and GRPO's n samples of one prompt were prefilled one per step (8 steps for n=8)."""
+    there is none, and a prompt of at most a page leaves no whole page to share: GRPO's n samples of one
+    prompt were prefilled one per step (8 steps for n=8)."""
     path = tiny_dir("llama")
-    sched = _scheduler(path, disable_radix_cache=True)
-    prompt = prompts_of_lengths([60], seed=1)[0]
+    sched = _scheduler(path, **options)
+    prompt = prompts_of_lengths([length], seed=1)[0]
     reqs = _serve(sched, [prompt] * 8, 3)
     assert sched.stats.prefill_steps[0] == 1
     expected = hf_reference(path).greedy(prompt, 3)
     assert all(r.output_ids == expected and r.finished.type == "length" for r in reqs)
-    assert sched.cache.used == 0 and sched.cache.allocator.available == sched.cache.num_slots
+    assert sched.cache.used == 0
+    assert sched.cache.allocator.available + sched.cache.tree.evictable_size == sched.cache.num_slots

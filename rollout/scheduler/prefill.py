@@ -9,9 +9,9 @@ Policy (``PrefillManager.schedule``):
    output budgets of the requests admitted in this step stay free (SGLang's ``PrefillAdder``); a request
    admitted while nothing else runs needs room for its chunk only.
 3. A request whose prompt a request in this batch (or the prefill in flight) is computing waits for that
-   cache entry instead of computing it twice (with the prefix cache on: without it there is no entry to
-   wait for, and such requests join the batch); a prompt that fits a batch of its own is not split to fill
-   the rest of this one.
+   cache entry instead of computing it twice, when the entry would give it whole pages (the cache shares
+   only those; without the cache there is no entry to wait for, and such requests join the batch); a
+   prompt that fits a batch of its own is not split to fill the rest of this one.
 """
 
 from __future__ import annotations
@@ -103,8 +103,7 @@ class PrefillManager:
         fill = req.fill_ids
         key = fill[:req.prefix_match_len()]
         prefix, node = self.cache.match(key)
-        extra = 0 if self.cache.disabled else in_batch.shared_len(key) - len(prefix)  # no cache: nothing to reuse
-        if extra > 0 and extra >= min(self.config.in_batch_prefix_threshold, len(fill) - 1 - len(prefix)):
+        if self._reusable_after_wait(in_batch.shared_len(key), len(fill) - 1, len(prefix)):
             return None  # computed by a request already in this batch: wait and reuse its cache entry
         rest = len(fill) - len(prefix)
         whole_batch = min(self.config.max_prefill_tokens, self.config.chunked_prefill_size)
@@ -121,6 +120,17 @@ class PrefillManager:
             req.cached_tokens, req.cached_tokens_known = len(prefix), True
         self.cache.extend(req, chunk)
         return chunk
+
+    def _reusable_after_wait(self, shared: int, most: int, cached: int) -> bool:
+        """Whether a request should wait for the cache entry of ``shared`` tokens that a request in the batch
+        computes: the entry (whole pages only, and none without the prefix cache) would give it at least
+        ``in_batch_prefix_threshold`` tokens past the ``cached`` it has, or every token it could reuse (whole
+        pages of its first ``most``)."""
+        if self.cache.disabled:
+            return False
+        page = self.cache.page_size
+        extra = shared - shared % page - cached
+        return extra > 0 and extra >= min(self.config.in_batch_prefix_threshold, most - most % page - cached)
 
     def _admit_chunk(self, req: Req, budget: int, kept: int) -> int:
         chunk = min(req.seq_len - req.kv_len, budget, self.config.chunked_prefill_size)
