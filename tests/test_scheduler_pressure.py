@@ -69,3 +69,17 @@ def test_samples_of_one_prompt_prefill_together_when_the_cache_cannot_share_it(t
     assert all(r.output_ids == expected and r.finished.type == "length" for r in reqs)
     assert sched.cache.used == 0
     assert sched.cache.allocator.available + sched.cache.tree.evictable_size == sched.cache.num_slots
+
+
+def test_samples_of_a_chunked_prompt_reuse_it_from_its_last_chunk(tiny_dir, hf_reference):
+    """A prompt longer than ``chunked_prefill_size`` completes in its last chunk's step; the samples sharing it
+    that were admitted beside that chunk did not wait for its cache entry, and one of them computed the whole
+    prompt again (122 prompt tokens for 4 samples of 60)."""
+    path = tiny_dir("llama")
+    sched = _scheduler(path, chunked_prefill_size=16, max_prefill_tokens=16)
+    prompt = prompts_of_lengths([60], seed=1)[0]
+    reqs = _serve(sched, [prompt] * 4, 3)
+    assert sched.stats.prefill_tokens == 60 + 3  # the prompt once, then each sample's last prompt token
+    expected = hf_reference(path).greedy(prompt, 3)
+    assert all(r.output_ids == expected and r.finished.type == "length" for r in reqs)
+    assert sched.cache.used == 0

@@ -62,8 +62,8 @@ class PrefillManager:
                 return reqs, lens
             kept += self.ratio.future_tokens(self.chunked)
             self.chunked = None  # its last chunk: it is running once this step is read
-        in_batch = PromptsInBatch()  # prompts being computed: requests sharing them wait
-        for req in in_flight:
+        in_batch = PromptsInBatch()  # prompts being computed (a chunked one's last chunk too): sharers wait
+        for req in in_flight + reqs:
             in_batch.add(req.fill_ids)
         deferred: list[Req] = []
         while admitting and waiting and budget > 0:
