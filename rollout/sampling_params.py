@@ -102,7 +102,12 @@ class SamplingParams:
         if params is None:
             return cls()
         if isinstance(params, SamplingParams):  # checked again: its fields may have been set since it was made
-            return params.clone()
+            copied = object.__new__(cls)  # a shallow copy; ``_normalize`` makes the lists anew
+            copied.__dict__.update(params.__dict__)
+            params = copied
+            params._normalize()
+            params.verify()
+            return params
         if isinstance(params, Mapping):
             return cls(**{k: v for k, v in params.items() if v is not None or k in _NONE_MEANS_SOMETHING})
         raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(params).__name__}")
