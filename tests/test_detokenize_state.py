@@ -243,20 +243,26 @@ def test_the_prompt_tail_the_scheduler_sends_seeds_past_a_run_of_byte_tokens(nam
     assert want.startswith(" ") and "".join(deltas) == det.text == want
 
 
+class _DecodeSpy:
+    """``tok`` whose ``decode`` calls record how many ids each decoded (in ``seen``)."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.seen = tok, []
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def decode(self, ids, **kw):
+        self.seen.append(len(ids))
+        return self.tok.decode(ids, **kw)
+
+
 def test_decode_window_stays_small(byte_level):
-    seen = []
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(byte_level, name)
-
-        def decode(self, ids, **kw):
-            seen.append(len(ids))
-            return byte_level.decode(ids, **kw)
-
+    spy = _DecodeSpy(byte_level)
+    seen = spy.seen
     ids = byte_level.encode(" ".join(TEXTS * 10), add_special_tokens=False)
     assert len(ids) > 500
-    det, deltas = _stream(Spy(), ids)
+    det, deltas = _stream(spy, ids)
     assert "".join(deltas) == _reference(byte_level, ids)
     assert max(seen) <= 8
 
@@ -269,20 +275,11 @@ def test_a_run_that_never_settles_is_not_decoded_whole_every_step(name):
     the text is still the full decode."""
     tok = _BUILDERS[name]()
     stray = next(i for i in range(len(tok)) if tok.decode([i]) == "\ufffd")
-    seen = []
-
-    class Spy:
-        def __getattr__(self, attr):
-            return getattr(tok, attr)
-
-        def decode(self, ids, **kw):
-            seen.append(len(ids))
-            return tok.decode(ids, **kw)
-
+    spy = _DecodeSpy(tok)
     ids = tok.encode("ok", add_special_tokens=False) + [stray] * 2000
-    det, deltas = _stream(Spy(), ids)
+    det, deltas = _stream(spy, ids)
     assert "".join(deltas) == _reference(tok, ids)
-    assert sum(seen) < 20 * len(ids), sum(seen)
+    assert sum(spy.seen) < 20 * len(ids), sum(spy.seen)
 
 
 # -- stop strings --------------------------------------------------------------------------------

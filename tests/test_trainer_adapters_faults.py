@@ -5,7 +5,6 @@ forms OpenRLHF and vLLM use. The imports under test sit inside the tests, so eac
 
 from __future__ import annotations
 
-import copy
 import gc
 import time
 from concurrent.futures import Future
@@ -17,6 +16,7 @@ import torch.nn as nn
 
 import weight_sync
 from rollout.ipc import free_port
+from tiny_models import scaled_copy
 
 PROMPT = [5, 6, 7, 8]
 
@@ -46,14 +46,6 @@ def hf_model(path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-
-
-def scaled(model: nn.Module, factor: float) -> nn.Module:
-    out = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.mul_(factor)
-    return out
 
 
 # ---- F1: FSDP2 with a bf16 MixedPrecisionPolicy and unsharded modules ---------------------------------
@@ -163,7 +155,7 @@ def test_push_while_paused_is_not_held_up_by_a_generate_the_pause_holds(local_ac
     out). After the resume the held request runs on the new weights."""
     from trainer_adapters import get
 
-    trained = scaled(hf_model, 1.01)
+    trained = scaled_copy(hf_model, 1.01)
     named = [(n, p.detach()) for n, p in trained.named_parameters()]
     port = free_port()
     join = local_actor.init_process_group.remote("127.0.0.1", port, 1, 2, "paused", backend="gloo", timeout=30)
@@ -197,7 +189,7 @@ def test_push_colocated_through_the_engine_actor(local_actor, hf_model):
     from trainer_adapters import get, push_colocated
 
     for factor, bucket_bytes, version in ((1.02, None, "whole"), (0.98, 64 << 10, "bucketed")):
-        trained = scaled(hf_model, factor)
+        trained = scaled_copy(hf_model, factor)
         report = push_colocated(trained, [local_actor], bucket_bytes=bucket_bytes, weight_version=version)
         assert report["tensors"] == len(list(trained.parameters()))
         assert get(local_actor.weights_fingerprint.remote(), 30) == \

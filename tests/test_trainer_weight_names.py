@@ -16,6 +16,7 @@ from rollout import SamplingParams
 from rollout.ipc import free_port
 from weight_sync.hf_compare import hf_greedy
 from weight_sync.sender import WeightSender
+from tiny_models import scaled_copy
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +24,6 @@ def hf_model(path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def trained(model: nn.Module, factor: float) -> nn.Module:
-    """A copy of ``model`` with every parameter scaled (a stand-in for a training step)."""
-    out = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.mul_(factor)
-    return out
 
 
 def assert_serves(engine, model: nn.Module, fingerprint_of=None) -> None:
@@ -66,7 +58,7 @@ def test_rotary_buffers_of_a_state_dict_are_skipped_on_every_path(hf_model, engi
     joined.result(60)
     try:
         for k, send in enumerate(["tensor", "bucket", "per_tensor"]):
-            model = trained(hf_model, 1.0 + 0.01 * (k + 1))
+            model = scaled_copy(hf_model, 1.0 + 0.01 * (k + 1))
             sd = with_rotary_buffers(model)
             if send == "tensor":
                 engine.update_weights_from_tensor(list(sd.items()), weight_version=send)
@@ -99,7 +91,7 @@ def test_fingerprint_of_a_wrapped_model_names_its_parameters_as_the_engine_does(
 
     from trainer_adapters import push_colocated
 
-    model = trained(hf_model, 1.03)
+    model = scaled_copy(hf_model, 1.03)
     checkpointed = copy.deepcopy(model)
     checkpointed.model.layers[0] = checkpoint_wrapper(checkpointed.model.layers[0])
     push_colocated(torch.compile(Wrapper(checkpointed)), [engine], weight_version="wrapped")

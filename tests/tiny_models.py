@@ -61,3 +61,14 @@ def make_tiny_checkpoint(path: str, arch: str = "llama", dtype: torch.dtype = to
     model.save_pretrained(path)
     _tokenizer().save_pretrained(path)
     return path
+
+
+def scaled_copy(model: torch.nn.Module, factor: float) -> torch.nn.Module:
+    """A copy of ``model`` with every parameter scaled by ``factor`` (a stand-in for a training step)."""
+    import copy
+
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.mul_(factor)
+    return out
