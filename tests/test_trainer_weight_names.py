@@ -124,3 +124,18 @@ def test_a_peft_model_with_merged_adapters_pushes_as_its_merged_model(hf_model, 
     assert engine.weights_fingerprint() == weight_sync.fingerprint(model) != weight_sync.fingerprint(hf_model)
     assert_serves(engine, merged)
     engine.update_weights_from_tensor(list(hf_model.named_parameters()), weight_version="restored")
+
+
+def test_a_wrapped_name_sent_to_the_engine_is_refused_with_the_name_to_send(hf_model, engine):
+    """The engine takes transformers' names (as vLLM does); a name a wrapper made (DDP's ``module.``,
+    ``torch.compile``'s ``_orig_mod.``, PEFT's ``base_model.model.`` / ``.base_layer``) is refused, weights
+    untouched, and the error now names the parameter it meant."""
+    weight = hf_model.get_parameter("model.layers.0.self_attn.q_proj.weight").detach()
+    for sent in ("module.model.layers.0.self_attn.q_proj.weight", "_orig_mod.model.layers.0.self_attn.q_proj.weight",
+                 "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"):
+        with pytest.raises(ValueError, match="a wrapper's name for 'model.layers.0.self_attn.q_proj.weight'"):
+            engine.update_weights_from_tensor([(sent, weight)])
+    with pytest.raises(ValueError) as e:
+        engine.update_weights_from_tensor([("model.layers.0.self_attn.nope.weight", weight)])
+    assert "wrapper" not in str(e.value)
+    engine.flush_cache()  # a refused first call marks the next partial update inconsistent until a flush

@@ -161,7 +161,20 @@ class HFWeightMap:
             why = expert_names.malformed(hf_name, self.cfg.num_experts, block)
             if why is not None:
                 return why
-        return f"unknown parameter name {hf_name!r}"
+        return f"unknown parameter name {hf_name!r}" + self._wrapper_hint(hf_name)
+
+    def _wrapper_hint(self, hf_name: str) -> str:
+        """For a name that a trainer's wrapper (DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``, FSDP1's or
+        activation checkpointing's components, PEFT's ``base_model.model.`` / ``.base_layer``) made of a known
+        one: what to send instead ("" otherwise). The engine takes the plain ``transformers`` names, as vLLM and
+        SGLang do; the senders of ``weight_sync`` and ``trainer_adapters`` unwrap."""
+        from rollout.weights.wrapper_names import hf_name as unwrapped
+
+        plain = unwrapped(hf_name.replace("base_model.model.", "", 1).replace(".base_layer.", "."))
+        if plain == hf_name or self.full_shape(plain) is None:
+            return ""
+        return (f" (a wrapper's name for {plain!r}: send the plain transformers names, as "
+                "trainer_adapters.broadcast_to_engines and push_colocated do)")
 
     def full_shape(self, hf_name: str) -> tuple[int, ...] | None:
         alias = self.aliases.get(hf_name)
@@ -278,3 +291,4 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def equal_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """The same shape and, in ``a``'s dtype, the same values."""
     return a.shape == b.shape and torch.equal(a, b.to(a.dtype))
+
