@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from rollout import Engine, SamplingParams
 from rollout.io_struct import BatchTokenOut
 
@@ -133,7 +135,5 @@ def test_abort_takes_several_ids_as_vllm_does(path):
         worker.join(60)
         assert [o.outputs[0].finish_reason for o in box["out"]] == ["abort", "length", "abort"]
         assert not engine.abort(["a", "unknown"])
-        import pytest
-
         with pytest.raises(ValueError, match="request ids"):
             engine.abort(["a", 3])

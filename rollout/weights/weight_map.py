@@ -168,9 +168,9 @@ class HFWeightMap:
         activation checkpointing's components, PEFT's ``base_model.model.`` / ``.base_layer``) made of a known
         one: what to send instead ("" otherwise). The engine takes the plain ``transformers`` names, as vLLM and
         SGLang do; the senders of ``weight_sync`` and ``trainer_adapters`` unwrap."""
-        from rollout.weights.wrapper_names import hf_name as unwrapped
+        from rollout.weights.wrapper_names import plain_name
 
-        plain = unwrapped(hf_name.replace("base_model.model.", "", 1).replace(".base_layer.", "."))
+        plain = plain_name(hf_name)
         if plain == hf_name or self.full_shape(plain) is None:
             return ""
         return (f" (a wrapper's name for {plain!r}: send the plain transformers names, as "
@@ -291,4 +291,3 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def equal_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """The same shape and, in ``a``'s dtype, the same values."""
     return a.shape == b.shape and torch.equal(a, b.to(a.dtype))
-

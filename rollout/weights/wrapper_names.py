@@ -30,6 +30,13 @@ def hf_name(name: str, strip_outer: bool = True) -> str:
     return ".".join(parts)
 
 
+def plain_name(name: str) -> str:
+    """``name`` with every wrapper's part dropped (``hf_name``), PEFT's ``base_model.model.`` and ``.base_layer``
+    too, by spelling alone: for a message about a name with no model at hand (``hf_named_parameters`` tells a
+    PEFT layer from its structure)."""
+    return hf_name(name.replace("base_model.model.", "", 1).replace(".base_layer.", "."))
+
+
 def hf_named_parameters(model: Any) -> list[tuple[str, Any]]:
     """``model``'s parameters under the names the engine takes: unwrapped (``unwrap_model``), wrapper
     components dropped (``hf_name``). A plain ``transformers`` model's names come back unchanged.
