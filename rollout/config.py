@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout.sampling_defaults import SAMPLING_DEFAULTS
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -283,6 +285,9 @@ class EngineConfig:
     Llama-3.1-8B; docs/rl_rollouts.md), of which sleep cannot release the graphs' pool (1.8 GiB for the 8B at
     16,384 tokens, 0.5 GiB at 4,096: a colocated engine wants a smaller ``piecewise_cuda_graph_max_tokens``;
     docs/colocation.md).
+    ``sampling_defaults`` (SGLang's name; vLLM's ``generation_config="auto"``): "model" (default) takes the
+    sampling fields a request leaves unset from the model's ``generation_config.json``, "openai" keeps the
+    library's defaults (``rollout.sampling_defaults`` says where they apply).
     """
 
     model_path: str
@@ -325,6 +330,7 @@ class EngineConfig:
     decode_balance_ratio: float = 4.0
     enable_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int | None = None
+    sampling_defaults: str = "model"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -359,6 +365,8 @@ class EngineConfig:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
         if not self.schedule_conservativeness >= 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
+        if self.sampling_defaults not in SAMPLING_DEFAULTS:
+            raise ValueError(f"sampling_defaults must be one of {SAMPLING_DEFAULTS}, got {self.sampling_defaults!r}")
         if self.piecewise_cuda_graph_max_tokens is not None and self.piecewise_cuda_graph_max_tokens < 1:
             raise ValueError(f"piecewise_cuda_graph_max_tokens must be >= 1, "
                              f"got {self.piecewise_cuda_graph_max_tokens}")

@@ -14,12 +14,13 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
+from types import MappingProxyType
+from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
 from rollout import engine_outputs
 from rollout.config import EngineConfig, ModelConfig
 from rollout.dtypes import dtype_name
-from rollout.engine_inputs import ChatTemplateOptions, PromptItem, chat_prompt_ids, normalize, abort_ids
+from rollout.engine_inputs import ChatTemplateOptions, PromptItem, chat_prompt, chat_prompt_ids, normalize, abort_ids
 from rollout.io_struct import (BenchmarkReceiveReq, ContinueGenerationReq, ControlReq, DestroyProcessGroupReq,
                                FlushCacheReq, GetLoadReq, GetMemoryStateReq, GetStepStatsReq, GetWeightsByNameReq,
                                GetWeightStateReq, GetWeightVersionReq, InitProcessGroupReq, PauseGenerationReq,
@@ -29,6 +30,8 @@ from rollout.io_struct import (BenchmarkReceiveReq, ContinueGenerationReq, Contr
                                WeightsFingerprintReq)
 from rollout.launcher import launch
 from rollout.outputs import RequestOutput
+from rollout.sampling_defaults import read_sampling_defaults
+from rollout.sampling_params import SamplingParams
 from rollout.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -57,6 +60,7 @@ class Engine:
         if self.config.context_length is not None and self.config.context_length > limit:  # SGLang and vLLM refuse too
             raise ValueError(f"context_length {self.config.context_length} is longer than the model's "
                              f"max_position_embeddings ({limit})")
+        self.sampling_defaults = _model_sampling_defaults(self.config)
         self.tokenizer = None if self.config.skip_tokenizer_init else _load_tokenizer(self.config)
         self._procs = launch(self.config)
         self.tokenizer_manager = TokenizerManager(self.config, self._procs.paths, self.model_config,
@@ -103,11 +107,18 @@ class Engine:
         options = ChatTemplateOptions(chat_template, add_generation_prompt, continue_final_message,
                                       dict(chat_template_kwargs or {}), tools)
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.apply_chat_template(c, options) for c in convs], sampling_params, **kwargs)
+        prompts = [dict(zip(("prompt", "prompt_token_ids"), chat_prompt(self.tokenizer, c, options))) for c in convs]
+        return self.generate(prompts, sampling_params, **kwargs)  # RequestOutput.prompt: the rendered text, as vLLM
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages, options)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the SamplingParams a request gets when it passes none, a new object each call: the library's
+        defaults with the model's ``generation_config.json`` values over them (``sampling_defaults="model"``,
+        the default; ``self.sampling_defaults`` holds those values), or the library's alone ("openai")."""
+        return SamplingParams.from_any(self.sampling_defaults)
 
     def abort(self, request_id: str | Iterable[str]) -> bool:
         """Abort a request (all its samples) or, by its id ``<request_id>#<i>``, one sample of a request with
@@ -125,8 +136,13 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine has been shut down")
         tm = self.tokenizer_manager
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        elif isinstance(sampling_params, (list, tuple)):
+            sampling_params = [self.get_default_sampling_params() if p is None else p for p in sampling_params]
         items = [(text, ids if ids is not None else tm.tokenize(text), p, rid) for text, ids, p, rid in
-                 normalize(prompts, prompt_token_ids, sampling_params, request_id, self.apply_chat_template)]
+                 normalize(prompts, prompt_token_ids, sampling_params, request_id,
+                           lambda messages: chat_prompt(self.tokenizer, messages))]
         for _, ids, p, _ in items:
             tm.validate(ids, p)
         return items
@@ -385,6 +401,20 @@ class Engine:
 
 
 _WAKE_TAGS = ("weights", "kv_cache", "cuda_graph")  # rollout.model_executor.memory_saver.TAGS (not imported here: torch)
+
+
+def _model_sampling_defaults(config: EngineConfig) -> Mapping[str, Any]:
+    """The model's sampling defaults (read-only) under ``sampling_defaults="model"``, else {}; ValueError at start
+    when ``generation_config.json`` holds a value SamplingParams refuses (rather than at every request)."""
+    if config.sampling_defaults != "model":
+        return MappingProxyType({})
+    values = read_sampling_defaults(config.model_path)
+    try:
+        SamplingParams.from_any(values)
+    except ValueError as e:
+        raise ValueError(f"generation_config.json in {config.model_path!r}: {e} (sampling_defaults='openai' "
+                         "ignores the file's sampling values)") from None
+    return MappingProxyType(values)
 
 
 def _load_tokenizer(config: EngineConfig) -> Any:

@@ -30,9 +30,16 @@ class ChatTemplateOptions:
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
                     options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
-    """The token ids of ``messages`` under the chat template; ValueError naming the problem. A message whose
-    content is a list of OpenAI text parts (``{"type": "text", "text"}``) reaches the template as their texts
-    joined by newlines (vLLM's rendering for templates that take string content); other parts are refused."""
+    """The token ids of ``messages`` under the chat template (``chat_prompt``'s ids)."""
+    return chat_prompt(tokenizer, messages, options)[1]
+
+
+def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]],
+                options: ChatTemplateOptions = ChatTemplateOptions()) -> tuple[str, list[int]]:
+    """The text of ``messages`` under the chat template and its token ids (the text tokenized without added
+    special tokens, as ``apply_chat_template(tokenize=True)`` does); ValueError naming the problem. A message
+    whose content is a list of OpenAI text parts (``{"type": "text", "text"}``) reaches the template as their
+    texts joined by newlines (vLLM's rendering for templates that take string content); other parts are refused."""
     if tokenizer is None or not (options.chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError("this model's tokenizer has no chat template (pass chat_template)")
     if options.add_generation_prompt and options.continue_final_message:  # vLLM's check and message
@@ -45,11 +52,11 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
         for value in (m.values() if isinstance(m, dict) else ()):
             if isinstance(value, str):
                 check_unicode(value, "a chat message")
-    ids = tokenizer.apply_chat_template(messages, chat_template=options.chat_template, tokenize=True,
-                                        add_generation_prompt=options.add_generation_prompt,
-                                        continue_final_message=options.continue_final_message,
-                                        tools=options.tools, **options.chat_template_kwargs)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    text = tokenizer.apply_chat_template(messages, chat_template=options.chat_template, tokenize=False,
+                                         add_generation_prompt=options.add_generation_prompt,
+                                         continue_final_message=options.continue_final_message,
+                                         tools=options.tools, **options.chat_template_kwargs)
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def content_text(parts: list[Any]) -> str:
@@ -90,8 +97,9 @@ def check_unicode(text: str, what: str) -> None:
 
 
 def normalize(prompts: Any, prompt_token_ids: Any, sampling_params: Any, request_id: Any,
-              apply_chat_template: Callable[[list[dict[str, Any]]], list[int]]) -> list[PromptItem]:
-    """One (text, token ids, params, request id) per prompt; ValueError naming the problem."""
+              render_chat: Callable[[list[dict[str, Any]]], tuple[str, list[int]]]) -> list[PromptItem]:
+    """One (text, token ids, params, request id) per prompt; ValueError naming the problem. A conversation
+    (a list of message dicts) is rendered by ``render_chat`` into its text and token ids (``chat_prompt``)."""
     if prompt_token_ids is not None:
         if prompts is not None:
             raise ValueError("pass prompts or prompt_token_ids, not both")
@@ -101,7 +109,7 @@ def normalize(prompts: Any, prompt_token_ids: Any, sampling_params: Any, request
             raise ValueError("no prompts given")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        pairs = [_prompt_pair(p, apply_chat_template) for p in prompts]
+        pairs = [_prompt_pair(p, render_chat) for p in prompts]
     if not pairs:
         raise ValueError("no prompts given")
     if isinstance(sampling_params, (list, tuple)):
@@ -124,7 +132,7 @@ def _token_id_prompts(prompt_token_ids: Any) -> list[tuple[None, list[int]]]:
     return [(None, list(ids)) for ids in prompt_token_ids]
 
 
-def _prompt_pair(prompt: Any, apply_chat_template: Callable[[list[dict[str, Any]]], list[int]]
+def _prompt_pair(prompt: Any, render_chat: Callable[[list[dict[str, Any]]], tuple[str, list[int]]]
                  ) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, str):
         return prompt, None
@@ -135,7 +143,7 @@ def _prompt_pair(prompt: Any, apply_chat_template: Callable[[list[dict[str, Any]
             return prompt["prompt"], None
         raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
     if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-        return None, apply_chat_template(list(prompt))
+        return render_chat(list(prompt))
     if isinstance(prompt, (list, tuple)):
         return None, list(prompt)
     raise ValueError(f"unsupported prompt type {type(prompt).__name__}")

@@ -62,6 +62,11 @@ def test_chat_uses_the_template(engine):
     direct = engine.generate(prompt_token_ids=[ids], sampling_params=GREEDY, use_tqdm=False)[0]
     assert via_chat.prompt_token_ids == ids
     assert via_chat.outputs[0].token_ids == direct.outputs[0].token_ids
+    # the prompt is the rendered conversation, as vLLM's LLM.chat reports it (it was None), also for a
+    # conversation passed to generate
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert via_chat.prompt == text
+    assert engine.generate([messages], GREEDY, use_tqdm=False)[0].prompt == text
 
 
 def test_chat_template_options_are_vllms(engine):

@@ -45,7 +45,9 @@ _VLLM_IGNORED = frozenset({"trust_remote_code", "distributed_executor_backend", 
                            "full_determinism", "num_actors", "enable_chunked_prefill", "swap_space",
                            "disable_log_stats", "max_logprobs"})
 # vLLM engine arguments where None means "the default" (OpenRLHF passes gpu_memory_utilization=None)
-_VLLM_NONE_IS_DEFAULT = frozenset(_VLLM_OPTIONS) | {"enable_prefix_caching", "enforce_eager"}
+_VLLM_NONE_IS_DEFAULT = frozenset(_VLLM_OPTIONS) | {"enable_prefix_caching", "enforce_eager", "generation_config"}
+# vLLM's generation_config → our sampling_defaults
+_VLLM_GENERATION_CONFIG = {"auto": "model", "vllm": "openai"}
 # vLLM's engine-level logprobs_mode → our per-request SamplingParams.logprobs_mode
 _VLLM_LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed", "raw": "raw",
                         "processed": "processed"}
@@ -66,11 +68,22 @@ def engine_options(model: str | None = None, **kwargs: Any) -> dict[str, Any]:
             out["disable_radix_cache"] = not value
         elif key == "enforce_eager":
             out["disable_cuda_graph"] = bool(value)
+        elif key == "generation_config":
+            out["sampling_defaults"] = _sampling_defaults(value)
         elif key in ("model", "pretrain", "model_path"):
             out["model_path"] = str(value)
         else:
             out[_VLLM_OPTIONS.get(key, key)] = value
     return out
+
+
+def _sampling_defaults(generation_config: Any) -> str:
+    """Our ``sampling_defaults`` for vLLM's ``generation_config``: "auto" (the model's file) or "vllm" (the library's
+    defaults); vLLM's third form, another directory to read the file from, is a ValueError."""
+    if generation_config in _VLLM_GENERATION_CONFIG:
+        return _VLLM_GENERATION_CONFIG[generation_config]
+    raise ValueError(f"generation_config={generation_config!r} is not supported: use 'auto' (the model's "
+                     "generation_config.json) or 'vllm' (the library's defaults)")
 
 
 # vLLM SamplingParams fields with no counterpart here: copying the rest silently would change the sampling
@@ -187,8 +200,14 @@ class EngineActor:
 
     def _sampling(self, params: Any) -> SamplingParams | list[SamplingParams]:
         if isinstance(params, (list, tuple)):
-            return [to_sampling_params(p, self.logprobs_mode) for p in params]
-        return to_sampling_params(params, self.logprobs_mode)
+            return [self._one_sampling(p) for p in params]
+        return self._one_sampling(params)
+
+    def _one_sampling(self, params: Any) -> SamplingParams:
+        """None takes the engine's defaults (the model's generation_config.json values, as vLLM's ``LLM.generate``
+        with ``generation_config="auto"``), under the actor's ``logprobs_mode``."""
+        return to_sampling_params(dict(self.engine.sampling_defaults) if params is None else params,
+                                  self.logprobs_mode)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests submitted to this engine and not finished yet (vLLM's name)."""

@@ -8,7 +8,9 @@ model's own distribution) unless ``logprobs_mode="processed"``. A null ``max_tok
 without one) generates until EOS or the context is full; a prompt plus ``max_tokens`` longer than the
 context is a 400. ``/v1/completions`` takes ``echo``: each choice's text (and, with ``logprobs``, its
 logprobs object) starts with the prompt's, the first prompt token's logprob null; ``max_tokens`` may be 0
-to score a prompt (lm-evaluation-harness's loglikelihood requests).
+to score a prompt (lm-evaluation-harness's loglikelihood requests). Sampling fields a request leaves unset
+take the model's ``generation_config.json`` values (``--sampling-defaults model``, the default; vLLM and SGLang
+do the same), whose ``max_new_tokens`` also caps ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -57,13 +59,13 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         if bad:
             raise APIError(400, f"{name} is not supported", name)
     texts, ids = _completion_prompts(body.prompt)
-    params = _params(body, body.max_tokens, body.logprobs,
+    params = _params(state, body, body.max_tokens, body.logprobs,
                      prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
     count = len(texts or ids)
     # null max_tokens: until the context is full
     rids = _rids(body, "cmpl-", count)
     job = GenJob(texts, ids, [params] * count, rids, to_context=body.max_tokens is None,
-                 group_id=rids[0].rsplit("-", 1)[0] if count > 1 else None)
+                 max_tokens_cap=_max_tokens_cap(state), group_id=rids[0].rsplit("-", 1)[0] if count > 1 else None)
     view = OpenAIView(state, body, job, "text_completion", chat=False)
     return await _respond(state, request, body, job, view)
 
@@ -89,9 +91,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         raise APIError(400, str(e), "messages") from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     k = (body.top_logprobs or 0) if body.logprobs else None
-    params = _params(body, max_tokens, k)
+    params = _params(state, body, max_tokens, k)
     job = GenJob(None, [prompt], [params], _rids(body, "chatcmpl-", 1), to_context=max_tokens is None,
-                 length_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+                 length_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+                 max_tokens_cap=_max_tokens_cap(state))
     view = OpenAIView(state, body, job, "chat.completion", chat=True)
     return await _respond(state, request, body, job, view)
 
@@ -155,14 +158,23 @@ def _completion_prompts(prompt: Any) -> tuple[list[str] | None, list[list[int]] 
     return None, [list(p) for p in prompt]
 
 
-def _params(body: OpenAICommon, max_tokens: int | None, logprobs: int | None,
+def _params(state: ServerState, body: OpenAICommon, max_tokens: int | None, logprobs: int | None,
             prompt_logprobs: int | None = None) -> SamplingParams:
-    values = {name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name) is not None}
+    """The request's sampling fields over the model's defaults (``rollout.sampling_defaults``); the model's
+    ``max_new_tokens`` caps a given ``max_tokens`` (a null one: ``GenJob.max_tokens_cap``)."""
+    defaults = state.require_engine().sampling_defaults
+    values = {name: value for name, value in defaults.items() if name != "max_tokens"}
+    values.update({name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name) is not None})
+    cap = defaults.get("max_tokens")
     if max_tokens is not None:
-        values["max_tokens"] = max_tokens
+        values["max_tokens"] = max_tokens if cap is None else min(max_tokens, cap)
     values["logprobs"] = logprobs
     values["prompt_logprobs"] = prompt_logprobs
     return sampling_params(values, param="request")
+
+
+def _max_tokens_cap(state: ServerState) -> int | None:
+    return state.require_engine().sampling_defaults.get("max_tokens")
 
 
 def _rids(body: OpenAICommon, prefix: str, count: int) -> list[str]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from rollout.config import ATTENTION_BACKENDS, DECODE_ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from rollout.sampling_defaults import SAMPLING_DEFAULTS
 
 # flag name → EngineConfig field, for options passed to the Engine only when given
 _ENGINE_OPTIONS = {
@@ -33,6 +34,7 @@ _ENGINE_OPTIONS = {
     "schedule_conservativeness": "schedule_conservativeness",
     "decode_balance_ratio": "decode_balance_ratio",
     "piecewise_cuda_graph_max_tokens": "piecewise_cuda_graph_max_tokens",
+    "sampling_defaults": "sampling_defaults",
 }
 
 # on/off flags, passed to the Engine (same field name) only when set
@@ -81,6 +83,7 @@ class ServerArgs:
     disable_cascade_attn: bool = False
     enable_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int | None = None
+    sampling_defaults: str | None = None
     log_level: str = "info"
     log_interval: float | None = None
     log_requests: bool = False
@@ -186,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extend (prefill) steps replay piecewise CUDA graphs (attention eager between them)")
     p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,
                    help="largest extend step replayed from piecewise CUDA graphs (default: --max-prefill-tokens)")
+    p.add_argument("--sampling-defaults", default=None, choices=SAMPLING_DEFAULTS,
+                   help="model (default): OpenAI requests take the sampling fields they leave unset from the model's "
+                        "generation_config.json; openai: the library's defaults")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-interval", type=float, default=None, help="seconds between scheduler log lines")
     p.add_argument("--log-requests", action="store_true", help="log every HTTP request (uvicorn access log)")

@@ -25,7 +25,8 @@ from rollout.server.streaming import AbortingStreamResponse, ClientGone, cancel_
 class GenJob:
     """One HTTP request as Engine input: text prompts or token-id prompts, with one SamplingParams and
     one request id per prompt. ``to_context``: the client left the output length open (null
-    ``max_tokens``), so each prompt generates until the context is full. ``group_id``: the id the client sees
+    ``max_tokens``), so each prompt generates until the context is full, or for ``max_tokens_cap`` tokens where
+    that is fewer (the model's ``max_new_tokens``, ``rollout.sampling_defaults``). ``group_id``: the id the client sees
     for a request of several prompts (an OpenAI response's ``id``), which ``/abort_request`` also takes."""
 
     texts: list[str] | None
@@ -34,6 +35,7 @@ class GenJob:
     rids: list[str]
     to_context: bool = False
     length_param: str = "max_tokens"
+    max_tokens_cap: int | None = None
     group_id: str | None = None
     started: float = field(default_factory=time.monotonic)
 
@@ -54,7 +56,8 @@ class GenJob:
         for prompt, p in zip(ids, self.params):
             if self.to_context or p.max_new_tokens is None:
                 try:
-                    p = p.clone(max_new_tokens=max(context - len(prompt), 0))
+                    left = max(context - len(prompt), 0)
+                    p = p.clone(max_new_tokens=left if self.max_tokens_cap is None else min(left, self.max_tokens_cap))
                 except ValueError as e:
                     raise APIError(400, str(e), self.length_param) from None
             elif len(prompt) + p.max_new_tokens > context:
