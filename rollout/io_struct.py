@@ -244,8 +244,8 @@ class ExpireUpdateSession:
 
 @dataclass
 class FinishReason:
-    """``type`` is "stop", "length" or "abort"; ``matched`` the stop token id (EOS too, then ``eos``) or stop
-    string."""
+    """``type`` is "stop", "length" or "abort"; ``matched`` the stop token id (EOS too) or stop string; ``eos``:
+    it was the tokenizer's EOS (vLLM's primary EOS, whose stop_reason is None)."""
 
     type: str
     matched: int | str | None = None

@@ -46,10 +46,12 @@ def _vllm_rule(tok, ids, stop, min_tokens, include):
     return len(ids), None, _decode(tok, ids)
 
 
-def _run_engine_side(tok, ids, params, eos=()):
+def _run_engine_side(tok, ids, params, eos=(), tokenizer_eos=()):
     """Feed ``ids`` one at a time through the scheduler's finish check and the detokenizer, as the engine
-    does; return (tokens used, FinishReason, final text, texts shown while unfinished)."""
-    req = Req(GenerateReq("r", [1, 2, 3], params, seed=0), tuple(eos), context_len=100_000)
+    does (``eos``: the model's EOS ids, ``tokenizer_eos`` the request's); return (tokens used, FinishReason,
+    final text, texts shown while unfinished)."""
+    req = Req(GenerateReq("r", [1, 2, 3], params, seed=0, eos_token_ids=tuple(tokenizer_eos)), tuple(eos),
+              context_len=100_000)
     det = IncrementalDetokenizer(tok, params.skip_special_tokens, True, params.stop,
                                  params.include_stop_str_in_output, min_new_tokens=params.min_new_tokens)
     shown = []
@@ -204,17 +206,22 @@ def test_stop_string_across_special_tokens_the_text_leaves_out(byte_level, speci
 
 
 def test_stop_reason_is_none_for_eos_and_the_id_for_a_stop_token(byte_level):
-    """vLLM's ``CompletionOutput.stop_reason``: None when EOS ended the sequence, else the stop token id."""
+    """vLLM's ``CompletionOutput.stop_reason``: None when the tokenizer's EOS ended the sequence, else the stop
+    token id, also for the model's other EOS ids (vLLM adds generation_config's EOS ids other than the
+    tokenizer's to the stop token ids)."""
     eos = byte_level.convert_tokens_to_ids("<|im_end|>")
+    other = byte_level.encode("!", add_special_tokens=False)[0]  # a second EOS id of the model's
     got = {}
-    for name, params, eos_ids in [("eos", SamplingParams(max_new_tokens=9), (eos,)),
-                                  ("stop id", SamplingParams(max_new_tokens=9, stop_token_ids=[eos]), ())]:
-        ids = byte_level.encode("Hi", add_special_tokens=False) + [eos]
-        _, reason, _, _ = _run_engine_side(byte_level, ids, params, eos=eos_ids)
+    cases = [("eos", SamplingParams(max_new_tokens=9), (eos,), (eos,), eos),
+             ("model's other eos", SamplingParams(max_new_tokens=9), (eos, other), (eos,), other),
+             ("stop id", SamplingParams(max_new_tokens=9, stop_token_ids=[eos]), (), (), eos)]
+    for name, params, eos_ids, tokenizer_eos, last in cases:
+        ids = byte_level.encode("Hi", add_special_tokens=False) + [last]
+        _, reason, _, _ = _run_engine_side(byte_level, ids, params, eos=eos_ids, tokenizer_eos=tokenizer_eos)
         state = ReqState("r", None, [1], params, lambda s: None)
         state.apply(0, TokenOut("r", ids, finished=reason))
-        got[name] = (reason.matched, build_output(state, byte_level).outputs[0].stop_reason)
-    assert got == {"eos": (eos, None), "stop id": (eos, eos)}
+        got[name] = (reason.type, reason.matched, build_output(state, byte_level).outputs[0].stop_reason)
+    assert got == {"eos": ("stop", eos, None), "model's other eos": ("stop", other, other), "stop id": ("stop", eos, eos)}
 
 
 def test_sglang_names_no_stop_trim_and_sampling_seed(byte_level):

@@ -36,6 +36,9 @@ class Req:
     through ``last_node``), the rest are owned by the request. ``kv_len`` counts launched steps, and
     ``inflight_tokens`` tokens have been sampled by a launched step but not yet appended (overlap scheduling).
     ``eos_token_ids``: the model's EOS ids and the request's own (``GenerateReq.eos_token_ids``, the tokenizer's).
+    Any of them ends the request; only the tokenizer's is reported as EOS (``FinishReason.eos``: stop_reason
+    None), the model's others as stop tokens (their id), as vLLM turns generation_config's extra EOS ids into
+    stop token ids.
     """
 
     def __init__(self, msg: GenerateReq, eos_token_ids: tuple[int, ...], context_len: int) -> None:
@@ -55,6 +58,7 @@ class Req:
         self.prompt_lp_ranks: list[int] = []
         self.prompt_lp_top: list[list[tuple[int, float]]] = []
         self.eos_token_ids = tuple(dict.fromkeys(tuple(eos_token_ids) + tuple(msg.eos_token_ids)))
+        self.tokenizer_eos = tuple(msg.eos_token_ids)  # vLLM's primary EOS: stop_reason None; the others report their id
         self.output_ids: list[int] = []
         self.token_versions: list[str] = []  # the weight version that sampled each output token
         self.logprobs: list[float] = []
@@ -145,7 +149,7 @@ class Req:
         if n >= p.min_new_tokens:
             eos = not p.ignore_eos and last in self.eos_token_ids
             if eos or last in p.stop_token_ids:
-                self.finished = FinishReason("stop", matched=last, eos=eos)
+                self.finished = FinishReason("stop", matched=last, eos=eos and last in self.tokenizer_eos)
                 return
             if p.stop and tokenizer is not None:
                 matched = self._match_stop_string(tokenizer, skipped_ids)
