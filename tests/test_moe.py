@@ -157,3 +157,25 @@ def test_an_aborted_request_returns_the_routing_of_its_partial_tokens(tiny_dir, 
     seq = prompt + tokens
     assert last.routed_experts is not None and last.routed_experts.shape == (len(seq) - 1, 2, 2)
     np.testing.assert_array_equal(last.routed_experts, hf_routing(model, seq[:-1]))
+
+
+def test_a_max_tokens_0_request_returns_the_routing_of_its_prompt(tiny_dir, hf_reference):
+    """``max_tokens=0`` with ``return_routed_experts`` (scoring a given sequence's routing, as SGLang answers
+    it): the prompt is prefilled and its rows ``[routed_experts_start_len, prompt - 1)`` come back. It finished
+    without a prefill and returned none, unless prompt logprobs were asked for too."""
+    path = moe_path(tiny_dir, "qwen3_moe_dense_layers")
+    model = hf_reference(path).model
+    prompt = prompts_of_lengths([9], seed=3)[0]
+    ask = SamplingParams(max_tokens=0, return_routed_experts=True)
+    with Engine(path, dtype="float32", device="cpu", enable_return_routed_experts=True) as engine:
+        outs = engine.generate(prompt_token_ids=[prompt, prompt], use_tqdm=False,
+                               sampling_params=[ask, ask.clone(routed_experts_start_len=4)])
+        (plain,) = engine.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=0),
+                                   use_tqdm=False)
+    want = hf_routing(model, prompt[:-1])
+    for out, start in zip(outs, (0, 4)):
+        got = out.outputs[0]
+        assert got.token_ids == [] and got.finish_reason == "length"
+        assert got.routed_experts is not None, "no routing for a max_tokens=0 request"
+        np.testing.assert_array_equal(got.routed_experts, want[start:])
+    assert plain.outputs[0].routed_experts is None and plain.outputs[0].finish_reason == "length"

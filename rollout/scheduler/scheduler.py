@@ -146,12 +146,19 @@ class Scheduler:
         if len(req.prompt_ids) + 1 > self.context_len:
             self.outputs.finish(req, FinishReason("abort", message=(
                 f"prompt of {len(req.prompt_ids)} tokens does not fit the context of {self.context_len}")))
-        elif req.sampling.max_new_tokens == 0 and req.prompt_lp_k is None:  # else prefilled for its prompt logprobs
+        elif req.sampling.max_new_tokens == 0 and not self._wants_prefill_output(req):
             self.outputs.finish(req, FinishReason("length"))
         elif self._refusal() is not None:
             self.outputs.finish(req, FinishReason("abort", message=self._refusal(), error_type="RuntimeError"))
         else:
             self.waiting.append(req)
+
+    def _wants_prefill_output(self, req: Req) -> bool:
+        """A ``max_new_tokens=0`` request is still prefilled when its prompt gives an output: prompt logprobs, or
+        the routed experts of its prompt (rows ``[routed_experts_start_len, prompt - 1)``, as SGLang returns them);
+        any other one finishes at once."""
+        return req.prompt_lp_k is not None or (req.sampling.return_routed_experts
+                                               and self.cache.routed_experts is not None)
 
     def abort(self, rid: str, reason: FinishReason | None = None) -> None:
         req = self.outputs.live.get(rid)
