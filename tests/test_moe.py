@@ -179,3 +179,24 @@ def test_a_max_tokens_0_request_returns_the_routing_of_its_prompt(tiny_dir, hf_r
         assert got.routed_experts is not None, "no routing for a max_tokens=0 request"
         np.testing.assert_array_equal(got.routed_experts, want[start:])
     assert plain.outputs[0].routed_experts is None and plain.outputs[0].finish_reason == "length"
+
+
+def test_multi_turn_rows_concatenate_with_start_len_the_rows_already_held(tiny_dir, hf_reference):
+    """docs/moe.md's multi-turn recipe: the next turn's prompt is the previous prompt + completion + new tokens,
+    asked with ``routed_experts_start_len`` = the rows already held (previous sequence length - 1, since its
+    last token went through the model only in the next turn); the concatenated rows are the routing of every
+    input position of the whole sequence. The docs said the previous sequence length, which drops that row."""
+    path = moe_path(tiny_dir, "qwen3_moe")
+    model = hf_reference(path).model
+    prompt = prompts_of_lengths([11], seed=5)[0]
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, return_routed_experts=True)
+    with Engine(path, dtype="float32", device="cpu", enable_return_routed_experts=True) as engine:
+        (first,) = engine.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+        held = first.outputs[0].routed_experts
+        turn2 = prompt + first.outputs[0].token_ids + [7, 8, 9]
+        assert len(held) == len(prompt) + len(first.outputs[0].token_ids) - 1
+        (second,) = engine.generate(prompt_token_ids=[turn2], use_tqdm=False,
+                                    sampling_params=params.clone(routed_experts_start_len=len(held)))
+    seq = turn2 + second.outputs[0].token_ids
+    rows = np.concatenate([held, second.outputs[0].routed_experts])
+    np.testing.assert_array_equal(rows, hf_routing(model, seq[:-1]))
