@@ -106,3 +106,19 @@ def test_fused_gate_up_halves_merge_into_one_copy_only_where_they_continue_each_
     assert len(merge_adjacent(tp2)) == 2
     apart = [(w13.narrow(1, 0, 1), ShardSpec(1, 0, 1)), (w13.narrow(1, 2, 1), ShardSpec(1, 1, 1))]
     assert len(merge_adjacent(apart)) == 2
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])
+def test_get_weights_by_name_reads_transformers_5_names_as_transformers_gives_them(variant, tiny_dir, hf_reference):
+    """A trainer on transformers 5 checks its push with ``get_weights_by_name(name)`` against
+    ``get_parameter(name)[:k]`` for its own names: the fused ``mlp.experts.gate_up_proj`` / ``down_proj`` and
+    Mixtral's router ``mlp.gate.weight``, which every update takes. They were refused ("wrong shape ... got []")."""
+    path = moe_path(tiny_dir, variant)
+    hf = hf_reference(path).model
+    names = [n for n, _ in hf.named_parameters() if ".mlp.experts." in n or ".mlp.gate.weight" in n]
+    assert any(n.endswith("experts.gate_up_proj") for n in names)
+    for tp in (1, 2):
+        with Engine(path, dtype="float32", device="cpu", tp_size=tp) as engine:
+            for name in names:
+                for k in (1, 3, 100):
+                    assert engine.get_weights_by_name(name, k) == hf.get_parameter(name).detach()[:k].tolist(), name

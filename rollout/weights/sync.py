@@ -256,15 +256,18 @@ class WeightSync:
 
     def get_weights_by_name(self, req: GetWeightsByNameReq) -> list[Any]:
         """SGLang's ``param.tolist()[:truncate_size]``: the first ``truncate_size`` rows of the HF tensor (values of
-        a 1-D one), as transformers' ``get_parameter(name)[:truncate_size].tolist()`` gives them."""
+        a 1-D one), as transformers' ``get_parameter(name)[:truncate_size].tolist()`` gives them, for any name an
+        update takes (transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj`` and Mixtral's
+        ``mlp.gate.weight`` too: the rows of its first experts only are gathered)."""
         self._check_readable()
         wm = self.updater.weight_map
-        wm.check(req.name, wm.shapes.get(wm.canonical(req.name), ()))
-        parts = self.tp.gather_object(self.updater.local_tensor(req.name))
+        wm.check(req.name, wm.full_shape(req.name) or ())  # an unknown name: its error
+        names = wm.read_sources(req.name, req.truncate_size)
+        parts = self.tp.gather_object([self.updater.local_tensor(name) for name in names])
         if self.tp.rank != 0:
             return []
-        full = assemble(parts, wm.shapes[wm.canonical(req.name)])
-        return full.float()[:req.truncate_size].tolist()
+        full = [assemble([rank[i] for rank in parts], wm.shapes[wm.canonical(name)]) for i, name in enumerate(names)]
+        return wm.read_join(req.name, full).float()[:req.truncate_size].tolist()
 
     def weights_fingerprint(self, req: Any = None) -> str:
         from rollout.weights.fingerprint import combine_fingerprint

@@ -176,6 +176,28 @@ class HFWeightMap:
         return (f" (a wrapper's name for {plain!r}: send the plain transformers names, as "
                 "trainer_adapters.broadcast_to_engines and push_colocated do)")
 
+    def read_sources(self, hf_name: str, rows: int) -> tuple[str, ...]:
+        """The ``shapes`` names whose values make the first ``rows`` rows of ``hf_name`` (``read_join`` puts them
+        together): the name itself, or for a fused expert alias the experts up to ``rows`` (a ``gate_up_proj``:
+        their gate names, then their up names)."""
+        names = self.covered(hf_name)
+        fused = expert_names.parse(hf_name) if hf_name in self.aliases else None
+        if fused is None or fused.proj == "router":
+            return names
+        k, e = min(max(rows, 1), self.cfg.num_experts), self.cfg.num_experts
+        return names[:k] + names[e:e + k] if fused.proj == "gate_up" else names[:k]
+
+    def read_join(self, hf_name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """``hf_name``'s tensor in its own layout (a fused alias: its first experts) from the full tensors of
+        ``read_sources``: [k, 2I, H] of each expert's gate rows then its up rows, or [k, H, I]."""
+        fused = expert_names.parse(hf_name) if hf_name in self.aliases else None
+        if fused is None or fused.proj == "router":
+            return tensors[0]
+        if fused.proj == "gate_up":
+            k = len(tensors) // 2
+            return torch.cat([torch.stack(tensors[:k]), torch.stack(tensors[k:])], dim=1)
+        return torch.stack(tensors)
+
     def full_shape(self, hf_name: str) -> tuple[int, ...] | None:
         alias = self.aliases.get(hf_name)
         return alias[0] if alias is not None else self.shapes.get(self.canonical(hf_name))
