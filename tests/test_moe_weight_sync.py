@@ -122,3 +122,16 @@ def test_get_weights_by_name_reads_transformers_5_names_as_transformers_gives_th
             for name in names:
                 for k in (1, 3, 100):
                     assert engine.get_weights_by_name(name, k) == hf.get_parameter(name).detach()[:k].tolist(), name
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe_dense_layers", "mixtral"])
+def test_trainer_hf_shapes_are_the_names_of_a_transformers_5_model(variant, tiny_dir, hf_reference):
+    """``trainer_hf_shapes`` (what the weight-sync benchmarks push, as a transformers 5 trainer would): the names
+    and shapes of transformers' own ``named_parameters``. Mixtral's router was listed under its checkpoint
+    name ``block_sparse_moe.gate.weight`` instead of transformers 5's ``mlp.gate.weight``."""
+    from rollout.config import ModelConfig
+    from rollout.weights.weight_map import trainer_hf_shapes
+
+    path = moe_path(tiny_dir, variant)
+    want = {name: tuple(p.shape) for name, p in hf_reference(path).model.named_parameters()}
+    assert trainer_hf_shapes(ModelConfig.from_path(path)) == want

@@ -82,11 +82,19 @@ def expert_aliases(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[s
 
 def trainer_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The parameters a transformers 5 model of ``cfg`` names (its ``named_parameters``): ``expected_hf_shapes``
-    with each sparse layer's per-expert tensors replaced by the fused ``gate_up_proj`` / ``down_proj``."""
-    fused = {name: alias for name, alias in expert_aliases(cfg).items() if expert_names.parse(name).proj != "router"}
-    covered = {n for shape, names in fused.values() for n in names}
-    out = {n: s for n, s in expected_hf_shapes(cfg).items() if n not in covered}
-    out.update({name: shape for name, (shape, _) in fused.items()})
+    with each sparse layer's per-expert tensors replaced by the fused ``gate_up_proj`` / ``down_proj`` and
+    Mixtral's router by ``mlp.gate.weight`` (every alias, in place of the first name it covers)."""
+    first: dict[str, tuple[str, tuple[int, ...]]] = {}  # the first name an alias covers -> (alias, its shape)
+    covered: set[str] = set()
+    for alias, (shape, names) in expert_aliases(cfg).items():
+        first[names[0]] = (alias, shape)
+        covered.update(names)
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in expected_hf_shapes(cfg).items():
+        if name in first:
+            out[first[name][0]] = first[name][1]
+        elif name not in covered:
+            out[name] = shape
     return out
 
 
