@@ -200,3 +200,17 @@ def test_multi_turn_rows_concatenate_with_start_len_the_rows_already_held(tiny_d
     seq = turn2 + second.outputs[0].token_ids
     rows = np.concatenate([held, second.outputs[0].routed_experts])
     np.testing.assert_array_equal(rows, hf_routing(model, seq[:-1]))
+
+
+def test_the_greedy_oracle_attends_a_prompt_token_0(tiny_dir, hf_reference):
+    """``hf_greedy`` (the tests' and rollout-smoke's greedy reference) passes ``generate`` a mask of every prompt
+    token: without it ``generate`` took the prompt's token 0 (its pad id when no EOS is given) for padding and
+    masked it, so a follow-up prompt holding a sampled 0 got a wrong reference (the engine's tokens looked wrong)."""
+    from reference import hf_greedy
+
+    model = hf_reference(moe_path(tiny_dir, "qwen3_moe")).model
+    for prompt in prompts_of_lengths([12, 20, 7, 30, 16], seed=6):
+        prompt[len(prompt) // 2] = 0
+        with torch.no_grad():
+            first = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+        assert hf_greedy(model, prompt, 1) == [first]

@@ -13,7 +13,9 @@ import torch
 
 
 def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int, eos_token_id: Any = None) -> list[int]:
-    """``generate`` with do_sample=False; stops at ``eos_token_id`` only when one is given."""
+    """``generate`` with do_sample=False; stops at ``eos_token_id`` only when one is given. Every prompt token is
+    attended (an explicit mask: ``generate`` would otherwise mask the prompt's ``pad_token_id`` tokens, here 0
+    or the EOS id, as padding)."""
     from transformers import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
@@ -23,7 +25,8 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int, eos_token_id: 
     model.generation_config.eos_token_id = eos_token_id  # generate merges the model's defaults back in
     try:
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt], device=device), generation_config=config)
+            ids = torch.tensor([prompt], device=device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     finally:
         model.generation_config.eos_token_id = saved
     return out[0, len(prompt):].tolist()
