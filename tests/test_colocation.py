@@ -218,3 +218,27 @@ def test_sleep_and_wake_up_are_idempotent_as_in_vllm(sleepy):
     with pytest.raises(ValueError, match="awake"):
         sleepy.resume_memory_occupation()
     assert sleepy.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY, use_tqdm=False)[0].finished
+
+
+@pytest.fixture(scope="module")
+def sleepy_with_copy(path):
+    with Engine(path, dtype="float32", device="cpu", enable_memory_saver=True, keep_weight_copy=True,
+                cpu_kv_cache_gb=0.05) as e:
+        yield e
+
+
+def test_rollback_after_a_level_2_sleep_names_the_weights_it_restores(sleepy_with_copy, path):
+    """The kept copy is taken of whole weights only: a push after ``sleep(level=2)`` starts on released ones, so
+    the copy stays that of the update before it, and a rollback must name that copy's version (it restored the
+    checkpoint's weights and called them version "1", the weights the sleep discarded)."""
+    import weight_sync
+
+    engine, base = sleepy_with_copy, _changed_model(path, 1.0)
+    engine.update_weights_from_tensor(list(_changed_model(path, 0.9).named_parameters()))  # version "1"
+    engine.sleep(level=2)
+    engine.wake_up(tags=["weights"])
+    engine.update_weights_from_tensor(list(_changed_model(path, 0.8).named_parameters()))  # version "2"
+    engine.wake_up(tags=["kv_cache"])
+    assert engine.rollback_weights()["weight_version"] == "0"
+    assert engine.get_weight_version() == "0" and engine.weights_fingerprint() == weight_sync.fingerprint(base)
+    engine.update_weights_from_disk(path)

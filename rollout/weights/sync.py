@@ -164,8 +164,7 @@ class WeightSync:
             problems.append(f"checkpoint {req.model_path!r} lacks {len(missing)} parameters, e.g. {missing[:3]}")
         if problems:
             raise ValueError("; ".join(problems[:5]))
-        if not self.updater.session:
-            self.version_before_session = self.weight_version  # what rollback_weights restores
+        self._note_version_kept()
         self.refused_before_session = None  # a reload sets every parameter
         nbytes = 0
         try:
@@ -285,6 +284,14 @@ class WeightSync:
         blocked = self.blocked()
         return ([blocked] if blocked is not None else []) + self.updater.problems(specs)
 
+    def _note_version_kept(self) -> None:
+        """An update is about to load: name the weights ``rollback_weights`` restores. That is the copy
+        ``WeightUpdater.load`` keeps, which it takes only of whole weights at a session's start: after a failed
+        update, or a release of the weights without a copy (``sleep(level=2)``), the copy and its version stay
+        those of the last whole weights."""
+        if not self.updater.session and self.updater.inconsistent is None:
+            self.version_before_session = self.weight_version
+
     def _apply(self, tensors: list[tuple[str, torch.Tensor]], problems: list[str], start: float, flush_cache: bool,
                weight_version: str | None, check_finite: bool, group_name: str | None) -> dict[str, Any]:
         """Reject (weights untouched) or load, then close the session if it is complete. A call rejected while
@@ -307,8 +314,8 @@ class WeightSync:
         if not tensors:
             return self._apply_nothing(start, flush_cache, weight_version, group_name)
         refused = None
+        self._note_version_kept()
         if not self.updater.session:
-            self.version_before_session = self.weight_version
             refused, self.refused_before_session = self.refused_before_session, None
         t_load = time.perf_counter()
         self.updater.load(tensors)
