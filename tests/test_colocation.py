@@ -242,3 +242,23 @@ def test_rollback_after_a_level_2_sleep_names_the_weights_it_restores(sleepy_wit
     assert engine.rollback_weights()["weight_version"] == "0"
     assert engine.get_weight_version() == "0" and engine.weights_fingerprint() == weight_sync.fingerprint(base)
     engine.update_weights_from_disk(path)
+
+
+def test_a_failed_push_before_a_level_2_sleep_counts_for_nothing_after_it(sleepy, path, hf_reference):
+    """A push refused mid-way leaves its first parameters loaded (inconsistent); a level-2 sleep then discards them
+    too, so a push of only the parameters that session lacked must not make the weights whole: it did, and the
+    engine generated from the released (zeroed) memory as if consistent."""
+    named = list(_changed_model(path, 0.9).named_parameters())
+    sleepy.update_weights_from_tensor(named[:3], flush_cache=False)
+    with pytest.raises(ValueError, match="wrong shape"):
+        sleepy.update_weights_from_tensor([(named[3][0], torch.zeros(3, 3))], flush_cache=False)
+    sleepy.sleep(level=2)
+    sleepy.wake_up(tags=["weights"])
+    assert not sleepy.update_weights_from_tensor(named[3:])["complete"]
+    sleepy.wake_up(tags=["kv_cache"])
+    state = sleepy.get_weight_state()
+    assert state["state"] == "inconsistent" and "released without a copy" in state["reason"]
+    with pytest.raises(RuntimeError, match="released without a copy"):
+        sleepy.generate(prompt_token_ids=PROMPTS[:1], use_tqdm=False)
+    sleepy.update_weights_from_disk(path)
+    assert _greedy(sleepy) == [hf_reference(path).greedy(p, 8) for p in PROMPTS]

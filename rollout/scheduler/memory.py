@@ -11,8 +11,8 @@ Contract:
   cache is dropped with the KV cache.
 - Released weights come back with their contents only when they were kept (``keep_weights``, vLLM's sleep
   level 1). Otherwise their memory holds no weights after resume: the weights are marked inconsistent until
-  a complete update (every parameter) or a reload, and a push while the weights' memory is released is
-  refused (``update_problem``).
+  a complete update (every parameter) or a reload (what a failed update had loaded before counts for nothing),
+  and a push while the weights' memory is released is refused (``update_problem``).
 """
 
 from __future__ import annotations
@@ -87,9 +87,8 @@ class MemoryOccupation:
             kept = self.released.pop(tag)
             self.runner.resume_memory(tag, kept)
             if tag == "weights" and not kept:
-                self.updater.mark_inconsistent(
-                    "the weights were released without a copy (sleep(level=2) or release_memory_occupation), "
-                    "so their memory holds none", mixed=False)
+                self.updater.discard("the weights were released without a copy (sleep(level=2) or "
+                                     "release_memory_occupation), so their memory holds none")
         return self.state()
 
     def state(self, req: Any = None) -> dict[str, Any]:

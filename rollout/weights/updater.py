@@ -184,6 +184,12 @@ class WeightUpdater:
                              "roll back")
         self.session_deadline = None
 
+    def discard(self, reason: str) -> None:
+        """The weights' memory lost its contents (released without a copy): what an open or failed session had
+        loaded is gone too, so only a complete update (every parameter) makes the weights whole again."""
+        self.session.clear()
+        self.mark_inconsistent(reason, mixed=False)
+
     def rollback(self) -> None:
         if self.backup is None:
             raise ValueError("no kept copy of the weights to roll back to (start the engine with keep_weight_copy=True)")
