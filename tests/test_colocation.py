@@ -262,3 +262,35 @@ def test_a_failed_push_before_a_level_2_sleep_counts_for_nothing_after_it(sleepy
         sleepy.generate(prompt_token_ids=PROMPTS[:1], use_tqdm=False)
     sleepy.update_weights_from_disk(path)
     assert _greedy(sleepy) == [hf_reference(path).greedy(p, 8) for p in PROMPTS]
+
+
+def test_a_release_while_an_in_flight_update_holds_requests_is_refused_at_once(path):
+    """With ``update_weights_in_flight`` the first bucket of an update lands beside a running request, which then
+    waits for the rest. A release waits for running requests, so it waited for that one, and the next bucket,
+    queued behind the release, could never run: a hang until the session's timeout (10 minutes for a push by
+    tensor). The release is refused at once instead, as while requests are paused in place."""
+    import threading
+
+    named = list(_changed_model(path, 0.9).named_parameters())
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    with Engine(path, dtype="float32", device="cpu", enable_memory_saver=True, update_weights_in_flight=True,
+                cpu_kv_cache_gb=0.05) as engine:
+        stream = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=long, stream=True)
+        chunks = [next(stream)]
+        assert not engine.update_weights_from_tensor(named[:5], flush_cache=False)["complete"]
+        result: dict[str, object] = {}
+
+        def release() -> None:
+            try:
+                result["state"] = engine.release_memory_occupation(["kv_cache"])
+            except ValueError as e:
+                result["error"] = str(e)
+
+        thread = threading.Thread(target=release, daemon=True)
+        thread.start()
+        thread.join(30)
+        assert "wait for the open weight update" in result.get("error", ""), result
+        assert engine.update_weights_from_tensor(named[5:])["complete"]
+        chunks += list(stream)
+        assert chunks[-1].outputs[0].finish_reason == "length" and not engine.is_sleeping()
+        assert engine.sleep(level=1)["sleeping"]

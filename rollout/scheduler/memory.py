@@ -50,6 +50,10 @@ class MemoryOccupation:
         already = [t for t in tags if t in self.released]
         if already:
             raise ValueError(f"memory already released: {already} (the engine is asleep; wake_up() first)")
+        if running and self.updater.session:
+            raise ValueError(f"{running} requests hold KV and wait for the open weight update "
+                             "(update_weights_in_flight): complete the update and let them finish, or abort them, "
+                             "before releasing memory")
         if running:
             raise ValueError(f"{running} requests are paused in place and hold KV: abort them or let them "
                              "finish before releasing memory")

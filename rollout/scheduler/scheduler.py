@@ -214,8 +214,10 @@ class Scheduler:
 
     def _runs_now(self, req: ExclusiveReq) -> bool:
         """``req`` may run at this step boundary although requests are in flight: a weight update under
-        ``update_weights_in_flight``, or any call while generation is paused in place."""
-        return self.paused == "in_place" or (self.config.update_weights_in_flight and isinstance(req, WeightUpdateReq))
+        ``update_weights_in_flight``, or any call while the running requests cannot step (``frozen``: paused in
+        place, or held by an open update session), since they would never finish for it (a release queued
+        between two buckets of an in-flight update held back the next bucket, which alone could unfreeze them)."""
+        return self.frozen or (self.config.update_weights_in_flight and isinstance(req, WeightUpdateReq))
 
     @property
     def busy(self) -> bool:
