@@ -294,3 +294,48 @@ def test_a_release_while_an_in_flight_update_holds_requests_is_refused_at_once(p
         chunks += list(stream)
         assert chunks[-1].outputs[0].finish_reason == "length" and not engine.is_sleeping()
         assert engine.sleep(level=1)["sleeping"]
+
+
+def test_a_release_frees_the_buffer_distributed_updates_receive_into(tiny_dir):
+    """``update_weights_from_distributed`` receives each bucket into a reused buffer as large as the bucket; the
+    engine kept it while asleep (on a GPU, a bucket of up to 1 GiB beside the 1 GiB an engine holds asleep).
+    A model of two 64 MiB tensors (embedding and head) pushed as one flattened bucket: asleep, the scheduler
+    held the bucket's 130 MiB more after the update than before it."""
+    import time
+
+    import weight_sync
+    from rollout.ipc import free_port
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_dir("llama", vocab_size=65536, hidden_size=256)
+    named = [(n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+             .named_parameters()]
+    nbytes = sum(p.numel() * p.element_size() for _, p in named)
+    with Engine(path, dtype="float32", device="cpu", enable_memory_saver=True, cpu_kv_cache_gb=0.05) as engine:
+        sched = psutil.Process(engine._procs.procs[0].pid)
+
+        def rss_asleep() -> int:
+            engine.sleep(level=2)
+            time.sleep(0.2)
+            rss = sched.memory_info().rss
+            engine.wake_up(tags=["weights"])
+            return rss
+
+        before = rss_asleep()
+        port = free_port()
+        join = engine.init_process_group("127.0.0.1", port, 1, 2, "bucket", backend="gloo", timeout=60, async_op=True)
+        group = weight_sync.init_process_group("127.0.0.1", port, 0, 2, "bucket", backend="gloo", timeout=60)
+        join.result(60)
+        try:
+            update = engine.update_weights_from_distributed(
+                [n for n, _ in named], [p.dtype for _, p in named], [list(p.shape) for _, p in named], "bucket",
+                load_format="flattened_bucket", async_op=True)
+            torch.distributed.broadcast(torch.cat([p.reshape(-1).view(torch.uint8) for _, p in named]), 0, group=group)
+            assert update.result(60)["complete"]
+        finally:
+            leave = engine.destroy_process_group("bucket", async_op=True)
+            weight_sync.destroy_process_group(group)
+            leave.result(60)
+        engine.wake_up()
+        grown = rss_asleep() - before
+        assert grown < 0.25 * nbytes, (grown, nbytes)

@@ -70,6 +70,8 @@ class MemoryOccupation:
             keep = req.keep_weights if tag == "weights" else False
             if tag == "kv_cache" and not self.cache.flush():
                 raise RuntimeError("the prefix cache is still in use")
+            if tag == "weights":  # distributed updates' receive buffer (a bucket), freed before the device's cache is
+                self.updater.drop_scratch()
             self.runner.release_memory(tag, keep)
             self.released[tag] = keep
         return self.state()

@@ -140,6 +140,11 @@ class WeightUpdater:
             self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._scratch[:nbytes]
 
+    def drop_scratch(self) -> None:
+        """Free the receive buffer (the engine is giving its memory back: ``release_memory_occupation``); the next
+        ``receive`` allocates it again."""
+        self._scratch = None
+
     # ---- sessions -----------------------------------------------------------------------------
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
