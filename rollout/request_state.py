@@ -29,6 +29,7 @@ class SeqState:
     sent_tokens: int = 0
     sent_text: int = 0
     routed_experts: Any = None
+    sent_routed: bool = False  # a stream delivered ``routed_experts`` (a delta carries them once)
 
 
 class ReqState:
@@ -98,8 +99,10 @@ def build_output(state: ReqState, token_text: TokenText, delta: bool = False) ->
 
 def _completion(state: ReqState, index: int, seq: SeqState, delta: bool, token_text: TokenText) -> CompletionOutput:
     t0, c0 = (seq.sent_tokens, seq.sent_text) if delta else (0, 0)
+    routed = None if delta and seq.sent_routed else seq.routed_experts
     if delta:
         seq.sent_tokens, seq.sent_text = len(seq.token_ids), len(seq.text)
+        seq.sent_routed = seq.routed_experts is not None
     want = state.params.logprobs is not None
     lps = seq.logprobs[t0:] if want else None
     return CompletionOutput(
@@ -107,7 +110,7 @@ def _completion(state: ReqState, index: int, seq: SeqState, delta: bool, token_t
         token_weight_versions=seq.token_weight_versions[t0:],
         cumulative_logprob=sum(seq.logprobs) if want else None,
         logprobs=_logprob_dicts(seq, t0, token_text) if want else None, token_logprobs=lps,
-        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, routed_experts=seq.routed_experts)
+        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, routed_experts=routed)
 
 def _logprob_dicts(seq: SeqState, start: int, token_text: TokenText) -> list[dict[int, Logprob]]:
     ids = seq.token_ids[start:len(seq.logprobs)]

@@ -10,6 +10,8 @@ import torch
 
 from conftest import prompts_of_lengths
 from rollout import Engine, SamplingParams
+from rollout.io_struct import FinishReason, TokenOut
+from rollout.request_state import ReqState, build_output
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, logprobs=0)
 MOE_VARIANTS = {
@@ -117,6 +119,23 @@ def test_routed_experts_are_only_returned_when_asked_and_stream_ends_with_them(t
     assert plain.outputs[0].routed_experts is None
     assert all(c.outputs[0].routed_experts is None for c in chunks[:-1])
     assert chunks[-1].outputs[0].routed_experts.shape == (3 + 5 - 1, 2, 2)
+
+
+def test_a_stream_delivers_each_samples_routed_experts_once():
+    """Delta chunks carry only what is new: a sample of an n > 1 stream that finished first came back in every
+    later chunk (with no new tokens) still carrying its whole routed_experts array."""
+    state = ReqState("r", None, [5, 6, 7], SamplingParams(n=2, max_new_tokens=4), lambda s: None)
+    rows = [np.full((3 + k - 1, 2, 2), i, dtype=np.int32) for i, k in enumerate((2, 4))]
+    state.apply(0, TokenOut("r", [8, 9], finished=FinishReason("length"), routed_experts=rows[0]))
+    state.apply(1, TokenOut("r", [10, 11]))
+    first = build_output(state, None, delta=True)
+    state.apply(1, TokenOut("r", [12, 13], finished=FinishReason("length"), routed_experts=rows[1]))
+    second = build_output(state, None, delta=True)
+    assert first.outputs[0].routed_experts is rows[0] and first.outputs[1].routed_experts is None
+    assert second.outputs[0].routed_experts is None and second.outputs[0].token_ids == []
+    assert second.outputs[1].routed_experts is rows[1]
+    whole = build_output(state, None)  # a whole output always carries them
+    assert whole.outputs[0].routed_experts is rows[0] and whole.outputs[1].routed_experts is rows[1]
 
 
 def test_routed_experts_bad_requests_are_clear_errors(tiny_dir, path):
