@@ -146,3 +146,44 @@ def test_openai_routed_experts_start_len_without_return_routed_experts_is_a_400(
     assert r.status_code == 400 and "needs return_routed_experts=true" in r.text, r.text
     r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1, "routed_experts_start_len": 0})
     assert r.status_code == 200
+
+
+def test_top_logprobs_hold_k_entries_when_the_sampled_token_ties_the_kth():
+    """A sampled token tied with the k-th alternative but not among them (bf16 logits tie often) also has a rank
+    <= k (1 + the tokens strictly above it): chat's ``top_logprobs`` and /generate's ``output_top_logprobs``
+    held k + 1 entries."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rollout.layers.sampler import Sampler
+    from rollout.layers.sampling_info import SamplingBatchInfo, SamplingRow
+    from rollout.outputs import CompletionOutput
+    from rollout.request_state import _logprob_entry
+    from rollout.sampling_params import SamplingParams
+    from rollout.server.generate_api import _GenerateView
+    from rollout.server.openai_view import OpenAIView
+
+    logits = torch.tensor([[2.0, 2.0, 0.5, 0.5, -1.0]])
+    entries = set()
+    for k in (1, 3):
+        for seed in range(64):
+            row = SamplingRow(SamplingParams(temperature=1.0, logprobs=k), seed, 0, [], [], [])
+            out = Sampler()(logits, SamplingBatchInfo.build([row], 5, "cpu"))
+            tok, top = out.next_token_ids[0].item(), out.top_logprob_ids[0, :k].tolist()
+            if tok in top or out.ranks[0].item() > k:  # only a sampled token tied with the k-th alternative
+                continue
+            entries.add(k)
+            entry = _logprob_entry(tok, out.logprobs[0].item(), out.ranks[0].item(),
+                                   list(zip(top, out.top_logprobs[0, :k].tolist())), None)
+            job = SimpleNamespace(group_id=None, rids=["r"], params=[SamplingParams()], size=1)
+            body = SimpleNamespace(n=1, logprobs=True, top_logprobs=k, return_token_ids=False, echo=False,
+                                   stream_options=None)
+            state = SimpleNamespace(engine=None, args=SimpleNamespace(model_name="m"))
+            chat = OpenAIView(state, body, job, "chat.completion", chat=True)._chat_logprobs(
+                CompletionOutput(index=0, token_ids=[tok], token_logprobs=[out.logprobs[0].item()], logprobs=[entry]))
+            assert len(chat["content"][0]["top_logprobs"]) == k, chat
+            gen = _GenerateView.__new__(_GenerateView)
+            gen.body, gen.tokenizer = SimpleNamespace(top_logprobs_num=k, return_text_in_logprobs=False), None
+            assert len(gen._top(entry)) == k, gen._top(entry)
+    assert entries == {1, 3}  # both cases came up: a tie at the top, and one further down

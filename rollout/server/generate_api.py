@@ -213,9 +213,11 @@ class _GenerateView:
         return self.tokenizer.decode([token_id])
 
     def _top(self, entry: dict[int, Any]) -> list[list[Any]]:
+        """SGLang's top-k list of ``entry``: the k = ``top_logprobs_num`` best-ranked tokens, never more (a sampled
+        token tied with the k-th alternative, and not among them, also has a rank <= k)."""
         k = self.body.top_logprobs_num
         ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k)
-        return [[_finite(lp), tid, self._text(tid)] for _, tid, lp in ranked]
+        return [[_finite(lp), tid, self._text(tid)] for _, tid, lp in ranked[:k]]
 
 
 def _finite(value: float | None) -> float | None:

@@ -140,9 +140,12 @@ class OpenAIView:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
 
     def _top(self, entry: dict[int, Any]) -> list[tuple[int, float]]:
+        """The ``self.logprobs`` (k) best-ranked tokens of ``entry``: never more than k, though a sampled token
+        tied with the k-th alternative, and not among them, also has a rank <= k (1 + the tokens above it)."""
+        k = self.logprobs or 0
         ranked = sorted(((lp.rank or 0, tid, lp.logprob) for tid, lp in entry.items()
-                         if lp.rank is not None and lp.rank <= (self.logprobs or 0)))
-        return [(tid, json_logprob(lp)) for _, tid, lp in ranked]
+                         if lp.rank is not None and lp.rank <= k))
+        return [(tid, json_logprob(lp)) for _, tid, lp in ranked[:k]]
 
     def _echo(self, out: RequestOutput, index: int) -> tuple[str, list[int], list[Any]] | None:
         """With ``echo``, for a choice's first chunk: the prompt's text, token ids and logprob entries (None
