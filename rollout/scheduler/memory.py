@@ -4,9 +4,10 @@ release and resume it (SGLang's ``release_memory_occupation`` / ``resume_memory_
 
 Contract:
 - Release and resume run when no request is in flight (``ExclusiveReq``); requests still to finish (paused
-  in place and holding KV, or held by a pause: retracted, or sent while paused) or an open weight-update
-  session make a release a ValueError (SGLang releases only an idle engine), as does releasing a released
-  tag or resuming one that is not released.
+  in place and holding KV, held by an open in-flight update session, or held by a pause: retracted, or sent
+  while paused) make a release a ValueError (SGLang releases only an idle engine), as do an open weight-update
+  session for a release of the weights (the KV cache alone may go), releasing a released tag and resuming one
+  that is not released.
 - While anything is released, new requests fail at once with ``refusal()`` (the engine sleeps); the prefix
   cache is dropped with the KV cache.
 - Released weights come back with their contents only when they were kept (``keep_weights``, vLLM's sleep
