@@ -376,7 +376,22 @@ class Scheduler:
         self.sync()  # no forward may read the weights while they change
         self.emit()  # requests that ended (aborted to let the call run) return before it, which may wait on a trainer
         while self.update_queue and (not busy or self._runs_now(self.update_queue[0])):
-            self.reply(self.run_control(self.update_queue.popleft()))
+            call = self.update_queue.popleft()
+            if isinstance(call, WeightUpdateReq):
+                self._restart_chunked()
+            self.reply(self.run_control(call))
+
+    def _restart_chunked(self) -> None:
+        """A weight update lands while a prompt is part-way through its chunked prefill: its KV so far is given back
+        and it waits first in line to be prefilled again. It has sampled no token, so every token it samples is the
+        new weights' (``token_weight_versions`` all name them), and so is its KV: kept, the chunks computed by the old
+        weights made those tokens neither policy's while their versions claimed the new one."""
+        req = self.prefill.chunked
+        if req is None:
+            return
+        self.prefill.drop(req)
+        self.cache.release(req)
+        self.waiting.appendleft(req)
 
     def fail_held_requests(self) -> None:
         """While the weights are inconsistent or the engine sleeps, every held request fails with the reason;
