@@ -8,6 +8,7 @@ that mix (greedy ids equal, logprobs within 5e-5: float32 noise over ~500 positi
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -188,3 +189,38 @@ def test_a_prompt_part_way_through_its_chunked_prefill_is_prefilled_again_on_the
     assert c.token_ids == hf_greedy(new, prompt, 8, None)
     # a mixed KV may still give the greedy ids; its logprobs are off (by 0.28 here)
     assert max(abs(a - b) for a, b in zip(c.token_logprobs, hf_logprobs(new, prompt, c.token_ids))) < 5e-5
+
+
+def test_generate_gives_each_of_n_samples_the_version_of_its_last_token(path, tmp_path):
+    """``/generate`` with ``n > 1`` across an in-flight update: each sample's ``meta_info.weight_version`` was the
+    request's (the last message's, of whichever sample), so a sample that ended before the update reported the
+    update's version although none of its tokens was sampled by those weights. The seed makes one of 8 samples
+    end after 7 tokens (a stop token) while the others run on; the update is sent once it ended."""
+    import shutil
+    import threading
+
+    import httpx
+
+    from server_harness import running_server
+
+    perturbed(path, seed=7).save_pretrained(tmp_path)
+    for name in os.listdir(path):
+        if "token" in name:
+            shutil.copy(os.path.join(path, name), tmp_path)
+    body = {"input_ids": PROMPT, "sampling_params": {"n": 8, "temperature": 1.0, "max_new_tokens": 400,
+                                                      "stop_token_ids": [3, 4, 5, 6, 7], "seed": 3}}
+    with running_server(path, "--update-weights-in-flight") as srv, \
+            httpx.Client(base_url=srv.url, timeout=120) as http:
+        box = {}
+        worker = threading.Thread(target=lambda: box.setdefault("answer", http.post("/generate", json=body)))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while (info := http.get("/get_server_info").json())["gen_tokens"] == 0 or info["running"] == 8:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert http.post("/update_weights_from_disk", json={"model_path": str(tmp_path)}).json()["success"]
+        worker.join(120)
+    metas = [item["meta_info"] for item in box["answer"].json()]
+    last = [m["token_weight_versions"][-1] for m in metas]
+    assert set(last) == {"0", "1"}, last  # some samples ended before the update, some after
+    assert [m["weight_version"] for m in metas] == last

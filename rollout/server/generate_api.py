@@ -4,10 +4,10 @@
 ``{"text", "output_ids", "meta_info"}`` per (prompt, sample), a single object for one prompt with
 ``n == 1`` and a list otherwise (prompt-major). ``meta_info`` holds ``id``, ``finish_reason``
 (``{"type": "length", "length"}``, ``{"type": "stop", "matched"}`` or ``{"type": "abort", ...}``),
-``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_version``, ``token_weight_versions`` (per
-output token: the weight version that sampled it), ``e2e_latency`` and,
-with ``return_logprob``, ``output_token_logprobs`` (``[logprob, token_id, text or null]`` per token) and
-``output_top_logprobs``; with ``logprob_start_len`` >= 0 also ``input_token_logprobs`` and
+``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_version`` (the version that sampled the
+sample's last token), ``token_weight_versions`` (per output token: the weight version that sampled it),
+``e2e_latency`` and, with ``return_logprob``, ``output_token_logprobs`` (``[logprob, token_id, text or null]`` per
+token) and ``output_top_logprobs``; with ``logprob_start_len`` >= 0 also ``input_token_logprobs`` and
 ``input_top_logprobs`` for the prompt tokens from that position on, the first entry's logprob null (SGLang's
 shape); with ``return_routed_experts`` (MoE models, SGLang's field) the final ``meta_info`` has
 ``routed_experts`` (base64 int32, ``rollout.outputs.routed_experts_from_base64``) and ``routed_experts_start_len``. Streams send the cumulative state of one (prompt, sample) per event, as SGLang does. A prompt plus
@@ -156,7 +156,7 @@ class _GenerateView:
             "id": out.request_id if self.n[out.request_id] == 1 else f"{out.request_id}#{c.index}",
             "finish_reason": _finish_reason(c, len(c.token_ids), out.error),
             "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(c.token_ids),
-            "cached_tokens": out.num_cached_tokens, "weight_version": out.weight_version,
+            "cached_tokens": out.num_cached_tokens, "weight_version": _sample_version(out, c),
             "e2e_latency": time.monotonic() - self.job.started}
         if c.routed_experts is not None:
             meta["routed_experts"] = routed_experts_to_base64(c.routed_experts)
@@ -218,6 +218,13 @@ class _GenerateView:
         k = self.body.top_logprobs_num
         ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k)
         return [[_finite(lp), tid, self._text(tid)] for _, tid, lp in ranked[:k]]
+
+
+def _sample_version(out: RequestOutput, c: CompletionOutput) -> str:
+    """One sample's ``weight_version``: the version that sampled its last token (the request's, the last message's
+    of any of its ``n`` samples, when it has none). With ``n > 1`` and an in-flight update a sample that ended
+    before the update reported the update's version, which sampled none of its tokens."""
+    return c.token_weight_versions[-1] if c.token_weight_versions else out.weight_version
 
 
 def _finite(value: float | None) -> float | None:
