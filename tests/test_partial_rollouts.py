@@ -224,3 +224,28 @@ def test_generate_gives_each_of_n_samples_the_version_of_its_last_token(path, tm
     last = [m["token_weight_versions"][-1] for m in metas]
     assert set(last) == {"0", "1"}, last  # some samples ended before the update, some after
     assert [m["weight_version"] for m in metas] == last
+
+
+def test_a_version_named_during_a_session_that_fails_names_nothing(path):
+    """A request runs while a push opens a session; the trainer names it (``update_weight_version``, SGLang's way),
+    then a call of the push is refused: the weights are a mix and the request fails. The name stayed the served
+    version, and the reload from disk that made the weights whole again (the original checkpoint) took it too,
+    though the named weights never loaded. The name now goes with the failed session."""
+    import pytest
+
+    named = list(perturbed(path, seed=8).named_parameters())
+    with Engine(path, dtype="float32", device="cpu", update_weights_in_flight=True) as engine:
+        stream = engine.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS, stream=True)
+        next(stream)
+        engine.update_weights_from_tensor(named[:5], flush_cache=False)
+        engine.update_weight_version("step-7")
+        with pytest.raises(ValueError, match="wrong shape"):
+            engine.update_weights_from_tensor([(named[5][0], torch.zeros(3))])
+        with pytest.raises(RuntimeError, match="refuses to generate"):
+            list(stream)
+        assert engine.get_weight_state()["state"] == "inconsistent"
+        assert engine.get_weight_version() == "0"
+        assert engine.update_weights_from_disk(path)["weight_version"] == "1"
+        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        out = engine.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)
+    assert out[0].weight_version == "1" and out[0].outputs[0].token_weight_versions == ["1"] * 4

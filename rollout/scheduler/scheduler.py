@@ -189,7 +189,7 @@ class Scheduler:
         if isinstance(req, WeightUpdateReq) and self.tp.size > 1:  # ranks must never disagree about weights
             all_ok, none_ok = self.tp.all_true(reply.ok), self.tp.all_true(not reply.ok)
             if not all_ok and not none_ok:
-                self.weights.updater.mark_inconsistent(f"{type(req).__name__} failed on some tensor-parallel ranks only")
+                self.weights.mark_inconsistent(f"{type(req).__name__} failed on some tensor-parallel ranks only")
         return reply
 
     # ---- one step -----------------------------------------------------------------------------

@@ -173,7 +173,7 @@ class WeightSync:
                     self.updater.load([(name, tensor)])
                     nbytes += tensor.numel() * tensor.element_size()
         except Exception as e:  # noqa: BLE001 - a read failing half way leaves mixed weights
-            self.updater.mark_inconsistent(f"reloading from {req.model_path!r} failed: {e}")
+            self.mark_inconsistent(f"reloading from {req.model_path!r} failed: {e}")
             raise RuntimeError(self.updater.inconsistent) from e
         self.timing = {}
         return self._finish(start, len(names), nbytes, self.updater.end_session(explicit=True), req.weight_version)
@@ -221,7 +221,7 @@ class WeightSync:
         name = up.session_group
         timeout = self.groups.timeout(name)
         self.groups.drop(name)
-        up.mark_inconsistent(f"the update session was abandoned: no update call on group {name!r} within its "
+        self.mark_inconsistent(f"the update session was abandoned: no update call on group {name!r} within its "
                              f"timeout of {timeout:g} s (the trainer stopped or died)")
         logger.error("%s", up.inconsistent)
 
@@ -241,6 +241,16 @@ class WeightSync:
         return {"state": up.state, "reason": up.inconsistent, "updated": len(up.session),
                 "total": len(up.weight_map.shapes), "weight_version": self.weight_version,
                 "groups": self.groups.names()}
+
+    def mark_inconsistent(self, reason: str) -> None:
+        """An update failed and left the weights a mix (``WeightUpdater.mark_inconsistent``). A version named while its
+        session was open (``update_weight_version``) names weights that never fully loaded: the served name goes back
+        to the one from before the session (what ``rollback_weights`` restores), so neither it nor a later update
+        closing the session (a reload from disk) claims them."""
+        self.updater.mark_inconsistent(reason)
+        if self.version_named_in_session:
+            self.weight_version = self.version_before_session or self.weight_version
+            self.version_named_in_session = False
 
     def refusal(self) -> str:
         return f"the engine refuses to generate: {self.updater.inconsistent}"
@@ -306,7 +316,7 @@ class WeightSync:
         if problems:
             reason = "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
             if self.updater.session and self.updater.inconsistent is None:
-                self.updater.mark_inconsistent(f"an update call was refused mid-update ({reason})")
+                self.mark_inconsistent(f"an update call was refused mid-update ({reason})")
             elif not self.updater.session:  # a call announcing more to come (flush_cache=False) starts a push
                 closes = flush_cache or weight_version is not None
                 self.refused_before_session = None if closes else reason
@@ -320,7 +330,7 @@ class WeightSync:
         t_load = time.perf_counter()
         self.updater.load(tensors)
         if refused is not None and not self.updater.covers_all:
-            self.updater.mark_inconsistent(f"the update call before this update's first was refused ({refused}), so "
+            self.mark_inconsistent(f"the update call before this update's first was refused ({refused}), so "
                                            "this update may lack its parameters")
         self.timing["load_s"] = time.perf_counter() - t_load
         self.updater.touch_deadline(group_name, self.groups.timeout(group_name))
@@ -370,7 +380,7 @@ class WeightSync:
     def _transfer_failed(self, group_name: str, message: str) -> None:
         self.groups.drop(group_name)
         if self.updater.session:
-            self.updater.mark_inconsistent(f"a transfer failed mid-update ({message})")
+            self.mark_inconsistent(f"a transfer failed mid-update ({message})")
         logger.error("weight transfer on group %r failed: %s", group_name, message)
 
 
