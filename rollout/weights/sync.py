@@ -222,7 +222,7 @@ class WeightSync:
         timeout = self.groups.timeout(name)
         self.groups.drop(name)
         self.mark_inconsistent(f"the update session was abandoned: no update call on group {name!r} within its "
-                             f"timeout of {timeout:g} s (the trainer stopped or died)")
+                               f"timeout of {timeout:g} s (the trainer stopped or died)")
         logger.error("%s", up.inconsistent)
 
     def update_weight_version(self, req: UpdateWeightVersionReq) -> str:
@@ -331,7 +331,7 @@ class WeightSync:
         self.updater.load(tensors)
         if refused is not None and not self.updater.covers_all:
             self.mark_inconsistent(f"the update call before this update's first was refused ({refused}), so "
-                                           "this update may lack its parameters")
+                                   "this update may lack its parameters")
         self.timing["load_s"] = time.perf_counter() - t_load
         self.updater.touch_deadline(group_name, self.groups.timeout(group_name))
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
