@@ -143,6 +143,9 @@ class EngineClient:
         return _result(self._post(f"/sleep?level={int(level)}", None))
 
     def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """``Engine.wake_up`` over HTTP; an empty list is refused here (an empty query would wake everything)."""
+        if tags is not None and not tags:
+            raise ValueError("tags must be a non-empty list (None wakes everything that is released)")
         query = urllib.parse.urlencode([("tags", t) for t in tags or []])
         return _result(self._post("/wake_up" + (f"?{query}" if query else ""), None))
 

@@ -231,7 +231,9 @@ class Engine:
     def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
         """vLLM's call: resume ``tags`` ("weights", "kv_cache"; None: everything released). As in vLLM, waking an
         awake engine, or naming a tag that is not asleep, is a warning and does nothing (SGLang's
-        ``resume_memory_occupation`` refuses); unknown tags are a ValueError."""
+        ``resume_memory_occupation`` refuses); unknown tags and an empty list are a ValueError."""
+        if tags is not None and not tags:  # docs/colocation.md: an empty list names nothing to wake
+            raise ValueError("tags must be a non-empty list (None wakes everything that is released)")
         state = self._call(GetMemoryStateReq())
         if all(t in _WAKE_TAGS for t in tags or ()):  # unknown tags: resume_memory_occupation's ValueError
             awake = [t for t in tags or () if t not in state["released"]]

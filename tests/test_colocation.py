@@ -61,6 +61,9 @@ def test_sleep_level_1_releases_memory_and_wakes_up_exact(sleepy, path, hf_refer
             read()
     assert sleepy.wake_up()["sleeping"] is False and not sleepy.is_sleeping()
     assert sleepy.wake_up()["sleeping"] is False  # vLLM: waking an awake engine warns and does nothing
+    for handle in (sleepy, EngineClient("http://127.0.0.1:1")):  # docs/colocation.md: an empty list is an error
+        with pytest.raises(ValueError, match="non-empty"):  # (the client's empty query woke everything)
+            handle.wake_up([])
     with pytest.raises(ValueError, match="awake"):
         sleepy.resume_memory_occupation()  # SGLang's call refuses
     assert sleepy.weights_fingerprint() == fp, "the refused push changed nothing"
