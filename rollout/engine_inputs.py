@@ -52,11 +52,24 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]],
         for value in (m.values() if isinstance(m, dict) else ()):
             if isinstance(value, str):
                 check_unicode(value, "a chat message")
-    text = tokenizer.apply_chat_template(messages, chat_template=options.chat_template, tokenize=False,
-                                         add_generation_prompt=options.add_generation_prompt,
-                                         continue_final_message=options.continue_final_message,
-                                         tools=options.tools, **options.chat_template_kwargs)
+    text = _render_template(tokenizer, messages, options)
     return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _render_template(tokenizer: Any, messages: list[Any], options: ChatTemplateOptions) -> str:
+    """The template's text for ``messages``; ValueError when the template fails on them: jinja's TemplateError
+    (a syntax error in a given ``chat_template``, an undefined variable, the template's own
+    ``raise_exception``, e.g. "Conversation roles must alternate user/assistant/...") or a TypeError of its
+    expressions. Those are the request's fault (vLLM answers them with a 400); they reached the server as a 500."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=options.chat_template, tokenize=False,
+                                             add_generation_prompt=options.add_generation_prompt,
+                                             continue_final_message=options.continue_final_message,
+                                             tools=options.tools, **options.chat_template_kwargs)
+    except (TemplateError, TypeError) as e:
+        raise ValueError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
 
 
 def content_text(parts: list[Any]) -> str:

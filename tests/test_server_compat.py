@@ -187,3 +187,21 @@ def test_top_logprobs_hold_k_entries_when_the_sampled_token_ties_the_kth():
             gen.body, gen.tokenizer = SimpleNamespace(top_logprobs_num=k, return_text_in_logprobs=False), None
             assert len(gen._top(entry)) == k, gen._top(entry)
     assert entries == {1, 3}  # both cases came up: a tie at the top, and one further down
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_template_that_fails_on_the_messages_is_a_400(http, stream):
+    """A template's own ``raise_exception`` (models' templates raise "Conversation roles must alternate ..." when an
+    agent loop sends two user turns in a row), a syntax error or an undefined name in a given ``chat_template``
+    is the request's fault, a 400 as vLLM answers it; jinja's errors reached the server as a 500, after which the
+    connection was dropped."""
+    cases = {"{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}":
+             "Conversation roles must alternate", "{% for m in messages %}{{ m.content }": "TemplateSyntaxError",
+             "{{ undefined_thing.attr }}": "undefined", "{{ messages[0].content | no_such_filter }}": "no_such_filter"}
+    for template, words in cases.items():
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "chat_template": template,
+                "stream": stream}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (template, r.text)
+        assert r.json()["error"]["param"] == "messages"
+    assert http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1}).status_code == 200
