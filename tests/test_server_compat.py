@@ -205,3 +205,26 @@ def test_a_chat_template_that_fails_on_the_messages_is_a_400(http, stream):
         assert r.status_code == 400 and words in r.json()["error"]["message"], (template, r.text)
         assert r.json()["error"]["param"] == "messages"
     assert http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1}).status_code == 200
+
+
+def test_tokenize_renders_messages_as_chat_completions_does(http):
+    """An agent loop counts or prefixes a conversation with ``/tokenize`` (vLLM's ``TokenizeChatRequest``):
+    the same messages and chat template options give the ids chat completions report using. /tokenize dropped
+    messages' ``name`` and refused ``chat_template``, ``chat_template_kwargs``, ``add_generation_prompt`` and
+    ``continue_final_message`` (400 unknown parameter)."""
+    template = ("{% for m in messages %}<{{ m['role'] }}{% if m.name %}={{ m.name }}{% endif %}>{{ m['content'] }}"
+                "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}{% if shout %}!!{% endif %}")
+    messages = [{"role": "user", "content": "the sky", "name": "bird"}, {"role": "assistant", "content": "is"}]
+    for options in ({"chat_template": template, "chat_template_kwargs": {"shout": True}},
+                    {"chat_template": template, "add_generation_prompt": False, "continue_final_message": True},
+                    {"add_generation_prompt": False}):
+        chat = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                       "return_token_ids": True, **options})
+        assert chat.status_code == 200, chat.text
+        used = chat.json()["choices"][0]["prompt_token_ids"]
+        tok = http.post("/tokenize", json={"messages": messages, **options})
+        assert tok.status_code == 200 and tok.json()["tokens"] == used and tok.json()["count"] == len(used), tok.text
+    r = http.post("/tokenize", json={"prompt": "the sky", "add_generation_prompt": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_generation_prompt", r.text
+    r = http.post("/tokenize", json={"messages": messages, "chat_template": "{{ raise_exception('no') }}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from rollout.engine_inputs import check_unicode
 from rollout.outputs import CompletionOutput, RequestOutput, routed_experts_to_base64
 from rollout.server.errors import APIError
-from rollout.server.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
+from rollout.server.protocol import ChatTemplateFields, DetokenizeRequest, GenerateRequest, TokenizeRequest
 from rollout.server.serving import GenJob, StreamJob, event_error, open_stream, request_ids, run_job, sampling_params
 from rollout.server.state import ServerState
 from rollout.server.streaming import DONE, ClientGone, sse
@@ -62,9 +62,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     engine = state.engine
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "pass exactly one of 'prompt' and 'messages'", "prompt")
+    chat_only = sorted(body.model_fields_set & set(ChatTemplateFields.model_fields))
+    if body.prompt is not None and chat_only:
+        raise APIError(400, f"{chat_only[0]} applies to 'messages' only", chat_only[0])
     if body.messages is not None:
         try:
-            tokens: Any = engine.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+            tokens: Any = engine.apply_chat_template([m.template_input() for m in body.messages],
+                                                     body.template_options())
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         count: Any = len(tokens)

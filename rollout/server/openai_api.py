@@ -20,7 +20,6 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from rollout.engine_inputs import ChatTemplateOptions
 from rollout.sampling_params import SamplingParams
 from rollout.server.errors import APIError
 from rollout.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAICommon
@@ -81,12 +80,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     if body.top_logprobs and not body.logprobs:  # vLLM's check and message
         raise APIError(400, "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     engine = state.require_engine()
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in body.messages]
     try:
-        prompt = engine.apply_chat_template(messages, ChatTemplateOptions(
-            body.chat_template, body.add_generation_prompt, body.continue_final_message,
-            dict(body.chat_template_kwargs or {})))
+        prompt = engine.apply_chat_template([m.template_input() for m in body.messages], body.template_options())
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.engine_inputs import ChatTemplateOptions
+
 
 class Body(BaseModel):
     """Base of every request body: unknown fields and wrong types are errors."""
@@ -90,8 +92,25 @@ class ChatMessage(Body):
             return "\n".join(part.text for part in self.content)
         return self.content or ""
 
+    def template_input(self) -> dict[str, Any]:
+        """The message as the chat template gets it: ``role``, ``content`` (``text()``) and ``name`` if given."""
+        return {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
 
-class ChatCompletionRequest(OpenAICommon):
+
+class ChatTemplateFields(Body):
+    """vLLM's chat template options (chat completions, and ``/tokenize`` with ``messages``)."""
+
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def template_options(self) -> ChatTemplateOptions:
+        return ChatTemplateOptions(self.chat_template, self.add_generation_prompt, self.continue_final_message,
+                                   dict(self.chat_template_kwargs or {}))
+
+
+class ChatCompletionRequest(OpenAICommon, ChatTemplateFields):
     """``POST /v1/chat/completions``; the prompt is the model's chat template applied to ``messages``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -103,10 +122,6 @@ class ChatCompletionRequest(OpenAICommon):
     tool_choice: Any = None
     response_format: Any = None
     parallel_tool_calls: bool | None = None
-    chat_template: str | None = None                # vLLM's extra fields: the chat template's options
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
 
 
 # ---- SGLang native --------------------------------------------------------------------------------
@@ -129,8 +144,9 @@ class GenerateRequest(Body):
     rid: str | list[str] | None = None
 
 
-class TokenizeRequest(Body):
-    """``POST /tokenize``: ``prompt`` (text or texts) or chat ``messages`` (the chat template is applied)."""
+class TokenizeRequest(ChatTemplateFields):
+    """``POST /tokenize``: ``prompt`` (text or texts) or chat ``messages``, rendered as chat completions render
+    them (the same message fields and chat template options, vLLM's ``TokenizeChatRequest``)."""
 
     model: str | None = None
     prompt: str | list[str] | None = None
