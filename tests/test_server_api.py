@@ -201,8 +201,9 @@ def test_tokenize_and_detokenize_use_the_engines_tokenizer(http, engine):
     assert ids["max_model_len"] == engine.context_len
     chat = http.post("/tokenize", json={"messages": CHAT}).json()
     assert chat["tokens"] == engine.apply_chat_template(CHAT)
-    text = http.post("/detokenize", json={"tokens": ids["tokens"]}).json()["text"]
-    assert text == engine.tokenizer.decode(ids["tokens"], skip_special_tokens=True)
+    decoded = http.post("/detokenize", json={"tokens": ids["tokens"]}).json()
+    assert decoded["text"] == engine.tokenizer.decode(ids["tokens"], skip_special_tokens=True)
+    assert decoded["prompt"] == decoded["text"]  # vLLM's clients read "prompt"
 
 
 # ---- load and disconnects ---------------------------------------------------------------------------

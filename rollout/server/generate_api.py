@@ -94,7 +94,8 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
         raise APIError(400, f"token ids out of vocabulary [0, {vocab}): {bad[:5]}", "tokens")
-    return {"text": tokenizer.decode(body.tokens, skip_special_tokens=body.skip_special_tokens)}
+    text = tokenizer.decode(body.tokens, skip_special_tokens=body.skip_special_tokens)
+    return {"text": text, "prompt": text}  # SGLang's key and vLLM's (DetokenizeResponse.prompt)
 
 
 # ---- request → engine input ----------------------------------------------------------------------
