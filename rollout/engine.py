@@ -20,7 +20,8 @@ from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from rollout import engine_outputs
 from rollout.config import EngineConfig, ModelConfig
 from rollout.dtypes import dtype_name
-from rollout.engine_inputs import ChatTemplateOptions, PromptItem, chat_prompt, chat_prompt_ids, normalize, abort_ids
+from rollout.engine_inputs import (ChatTemplateOptions, PromptItem, abort_ids, chat_prompt, chat_prompt_ids,
+                                   conversations, normalize)
 from rollout.io_struct import (BenchmarkReceiveReq, ContinueGenerationReq, ControlReq, DestroyProcessGroupReq,
                                FlushCacheReq, GetLoadReq, GetMemoryStateReq, GetStepStatsReq, GetWeightsByNameReq,
                                GetWeightStateReq, GetWeightVersionReq, InitProcessGroupReq, PauseGenerationReq,
@@ -106,7 +107,7 @@ class Engine:
         for the template's tool list). A content may be a string or a list of OpenAI text parts."""
         options = ChatTemplateOptions(chat_template, add_generation_prompt, continue_final_message,
                                       dict(chat_template_kwargs or {}), tools)
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        convs = conversations(messages)
         prompts = [dict(zip(("prompt", "prompt_token_ids"), chat_prompt(self.tokenizer, c, options))) for c in convs]
         return self.generate(prompts, sampling_params, **kwargs)  # RequestOutput.prompt: the rendered text, as vLLM
 

@@ -47,9 +47,12 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]],
     taken = sorted(set(options.chat_template_kwargs) & _TEMPLATE_ARGUMENTS)
     if taken:
         raise ValueError(f"chat_template_kwargs may not set {taken}: pass them as options of their own")
+    bad = next((m for m in messages if not isinstance(m, dict)), None)
+    if bad is not None:
+        raise ValueError(f"a chat message must be a {{'role', 'content'}} dict, got {type(bad).__name__}")
     messages = [_with_text_content(m) for m in messages]
     for m in messages:
-        for value in (m.values() if isinstance(m, dict) else ()):
+        for value in m.values():
             if isinstance(value, str):
                 check_unicode(value, "a chat message")
     text = _render_template(tokenizer, messages, options)
@@ -70,6 +73,17 @@ def _render_template(tokenizer: Any, messages: list[Any], options: ChatTemplateO
                                              tools=options.tools, **options.chat_template_kwargs)
     except (TemplateError, TypeError) as e:
         raise ValueError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
+
+
+def conversations(messages: Any) -> list[list[Any]]:
+    """``LLM.chat``'s ``messages`` as a list of conversations: one conversation (a list of message dicts) or a
+    list of them; ValueError for anything else (a string, a conversation that is not a list)."""
+    if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+        messages = [messages]
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(c, (list, tuple)) for c in messages):
+        raise ValueError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them, "
+                         f"got {type(messages).__name__}")
+    return [list(c) for c in messages]
 
 
 def content_text(parts: list[Any]) -> str:
@@ -120,8 +134,12 @@ def normalize(prompts: Any, prompt_token_ids: Any, sampling_params: Any, request
     else:
         if prompts is None:
             raise ValueError("no prompts given")
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a prompt dict, a list of token ids or a list of them, "
+                             f"got {type(prompts).__name__}")
         pairs = [_prompt_pair(p, render_chat) for p in prompts]
     if not pairs:
         raise ValueError("no prompts given")
@@ -150,16 +168,30 @@ def _prompt_pair(prompt: Any, render_chat: Callable[[list[dict[str, Any]]], tupl
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if "prompt" in prompt:
-            return prompt["prompt"], None
-        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        return _dict_prompt_pair(prompt)
     if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
         return render_chat(list(prompt))
     if isinstance(prompt, (list, tuple)):
         return None, list(prompt)
     raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+
+def _dict_prompt_pair(prompt: dict[str, Any]) -> tuple[str | None, list[int] | None]:
+    """vLLM's ``TokensPrompt`` (``prompt_token_ids``: a list of ids, with an optional ``prompt`` text) or
+    ``TextPrompt`` (``prompt``: a string); ValueError naming a field of the wrong type."""
+    text = prompt.get("prompt")
+    if "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"a prompt dict's 'prompt_token_ids' must be a list of token ids, got {ids!r}")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"a prompt dict's 'prompt' must be a string, got {type(text).__name__}")
+        return text, list(ids)
+    if "prompt" in prompt:
+        if not isinstance(text, str):
+            raise ValueError(f"a prompt dict's 'prompt' must be a string, got {type(text).__name__}")
+        return text, None
+    raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
 
 
 def request_ids(request_id: Any, count: int) -> list[str | None]:

@@ -176,6 +176,11 @@ def test_abort_a_running_request(engine):
     (dict(prompts=["hi"], sampling_params={"bogus": 1}), "bogus"),
     (dict(prompts=["hi"], sampling_params={"stop_token_ids": [10**6]}), "stop_token_ids"),
     (dict(prompts=["hi"], sampling_params={"logprobs": 50}), "logprobs"),
+    (dict(prompts={"prompt": 5}), "'prompt' must be a string"),
+    (dict(prompts=[{"prompt": None}]), "'prompt' must be a string"),
+    (dict(prompts=[{"prompt": "hi", "prompt_token_ids": None}]), "'prompt_token_ids' must be a list"),
+    (dict(prompts=[{"prompt_token_ids": 5}]), "'prompt_token_ids' must be a list"),
+    (dict(prompts=5), "prompts must be"),
 ])
 
 
@@ -183,6 +188,15 @@ def test_bad_input_is_a_clear_value_error_and_the_engine_keeps_serving(engine, b
     with pytest.raises(ValueError, match=match):
         engine.generate(use_tqdm=False, **bad)
     assert engine.generate(["hello"], GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("messages,match", [("hello", "messages must be a conversation"),
+                                            ([["hello"]], "a chat message must be a")])
+def test_bad_chat_messages_are_a_clear_value_error(engine, messages, match):
+    """A string (or a conversation of strings) is not a conversation: it was split into characters and failed
+    in transformers with a TypeError, not the documented ValueError."""
+    with pytest.raises(ValueError, match=match):
+        engine.chat(messages, GREEDY, use_tqdm=False)
 
 
 def test_request_ids_clashing_with_live_sample_ids_are_refused(engine):
