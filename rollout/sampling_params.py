@@ -31,7 +31,7 @@ class SamplingParams:
     model's raw distribution (``logprobs_mode="raw"``, the default) or from the distribution actually
     sampled from after penalties, temperature, top-k/top-p/min-p (``"processed"``).
     ``seed`` makes the sample depend only on (seed, sample index, token position), whatever else
-    shares the batch. ``max_tokens``/``min_tokens`` are accepted as aliases (vLLM's names), and
+    shares the batch; -1 means no seed (None), as in vLLM. ``max_tokens``/``min_tokens`` are accepted as aliases (vLLM's names), and
     SGLang's ``sampling_seed`` (``seed``) and ``no_stop_trim`` (``include_stop_str_in_output``).
     ``prompt_logprobs`` (vLLM's name) is None (off) or k >= 0: the logprob of every prompt token given the
     ones before it (raw, like ``logprobs``), with the top-k alternatives, in ``RequestOutput.prompt_logprobs``;
@@ -140,6 +140,8 @@ class SamplingParams:
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids", int)
         if self.top_k is None or (self.top_k == 0 and not isinstance(self.top_k, bool)):
             self.top_k = -1
+        if _is_int(self.seed) and self.seed == -1:  # vLLM's "no seed": a fixed seed gave every call the same samples
+            self.seed = None
 
     def verify(self) -> None:
         """Raise ValueError naming the first invalid field."""

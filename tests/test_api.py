@@ -390,13 +390,22 @@ def test_a_version_named_during_an_update_session_names_the_pushed_weights(engin
     assert engine.update_weights_from_tensor(named)["weight_version"] == "step-7+1"  # a later push increments again
 
 
-def test_seeds_differing_by_2_to_the_63_give_different_samples(engine):
-    """A seed is 64-bit (vLLM's range): seeds were reduced mod 2**63, so -1 sampled exactly as 2**63 - 1 and
-    0 as -2**63."""
-    def sample(seed: int) -> list[int]:
-        params = SamplingParams(max_tokens=8, seed=seed, ignore_eos=True)
-        return engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)[0].outputs[0].token_ids
+def _seeded_sample(engine, seed: int | None) -> list[int]:
+    params = SamplingParams(max_tokens=8, seed=seed, ignore_eos=True)
+    return engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)[0].outputs[0].token_ids
 
-    for a, b in ((-1, 2**63 - 1), (0, -2**63), (5, 5 - 2**63)):
-        assert sample(a) != sample(b)
-    assert sample(-1) == sample(-1)
+
+def test_seeds_differing_by_2_to_the_63_give_different_samples(engine):
+    """A seed is 64-bit (vLLM's range): seeds were reduced mod 2**63, so -2 sampled exactly as 2**63 - 2 and
+    0 as -2**63."""
+    for a, b in ((-2, 2**63 - 2), (0, -2**63), (5, 5 - 2**63)):
+        assert _seeded_sample(engine, a) != _seeded_sample(engine, b)
+    assert _seeded_sample(engine, -2) == _seeded_sample(engine, -2)
+
+
+def test_seed_minus_one_means_no_seed_as_in_vllm(engine):
+    """vLLM's SamplingParams turns seed=-1 into None (random samples); here it was a fixed seed, so a vLLM config
+    with seed=-1 gave the same samples on every call (every RL step) without a word."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams.from_any({"seed": -1}).seed is None
+    samples = [_seeded_sample(engine, -1) for _ in range(3)]
+    assert not samples[0] == samples[1] == samples[2]
