@@ -127,6 +127,16 @@ def test_sampling_params_from_ours_a_dict_or_a_vllm_object():
             to_sampling_params(types.SimpleNamespace(**{**vars(vllm_like), field: value}))
 
 
+def test_vllm_best_of_is_refused_not_sampled_as_n():
+    """vLLM's SamplingParams(n=1, best_of=4) holds n=4 and _real_n=1 after its __post_init__ (V0 returns the best
+    one of 4 samples, V1 refuses): the copy took n=4 and returned 4 samples. best_of equal to n is no choice."""
+    vllm_like = types.SimpleNamespace(n=4, _real_n=1, best_of=4, temperature=1.0, max_tokens=8)
+    with pytest.raises(ValueError, match="best_of=4"):
+        to_sampling_params(vllm_like)
+    assert to_sampling_params(types.SimpleNamespace(n=2, _real_n=None, best_of=2, max_tokens=8)).n == 2
+    assert to_sampling_params(types.SimpleNamespace(n=3, best_of=None, max_tokens=8)).n == 3
+
+
 # ---- the lazy bucket sender --------------------------------------------------------------------------
 
 class RecordingEngine:

@@ -117,6 +117,7 @@ def to_sampling_params(params: Any, logprobs_mode: str | None = None) -> Samplin
     unsupported = [name for name in _VLLM_ONLY_SAMPLING if getattr(params, name, None) not in (None, [], {}, ())]
     if unsupported:
         raise ValueError(f"vLLM sampling parameters {unsupported} are not supported by this engine")
+    real_n = _vllm_real_n(params)
     fields = SamplingParams.__dataclass_fields__
     names = [f for f in fields if f != "max_new_tokens" and f != "min_new_tokens"] + ["max_tokens", "min_tokens"]
     values = {}
@@ -129,7 +130,21 @@ def to_sampling_params(params: Any, logprobs_mode: str | None = None) -> Samplin
         raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(params).__name__}")
     if values.get("top_k") == 0:
         values["top_k"] = -1
+    if real_n is not None:
+        values["n"] = real_n
     return SamplingParams(**values)
+
+
+def _vllm_real_n(params: Any) -> int | None:
+    """The ``n`` a vLLM SamplingParams object asks for: its ``__post_init__`` moves ``best_of`` into ``n`` and keeps
+    the caller's ``n`` in ``_real_n``; copying ``n`` returned ``best_of`` samples where vLLM returns the best ``n``
+    of them (V1 refuses). ValueError for ``best_of`` beyond that ``n`` (no best-of selection here)."""
+    best_of = getattr(params, "best_of", None)
+    real_n = getattr(params, "_real_n", None) or getattr(params, "n", None)
+    if best_of is not None and best_of != real_n:
+        raise ValueError(f"vLLM sampling parameter best_of={best_of} (n={real_n}) is not supported by this engine: "
+                         "it returns every one of n samples, with no best-of selection")
+    return real_n
 
 
 def _with_logprobs_mode(params: Any, mode: str) -> Any:
