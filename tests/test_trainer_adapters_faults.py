@@ -283,6 +283,20 @@ def test_generate_takes_vllm_prompts_first(actor_obj):
     assert text.prompt == "hello world" and len(text.outputs[0].token_ids) == 4
 
 
+def test_chat_takes_vllms_template_options(actor_obj):
+    """vLLM's ``LLM.chat`` keywords (``chat_template_kwargs``, ``continue_final_message``, ...) reach the engine's
+    chat; the actor's ``chat`` took only (messages, sampling_params, use_tqdm): a TypeError for each of them."""
+    sp = {"temperature": 0.0, "max_tokens": 2, "ignore_eos": True}
+    conv = [{"role": "user", "content": "the sky"}, {"role": "assistant", "content": "is"}]
+    (out,) = actor_obj.chat(conv, sp, add_generation_prompt=False, continue_final_message=True)
+    assert out.prompt == actor_obj.engine.chat(conv, sp, add_generation_prompt=False, continue_final_message=True,
+                                               use_tqdm=False)[0].prompt
+    assert out.prompt.endswith("assistant: is")
+    template = "{% for m in messages %}{{ m['content'] }}{% if flag %}!{% endif %}{% endfor %}"
+    (out,) = actor_obj.chat([conv[:1]], sp, chat_template=template, chat_template_kwargs={"flag": True})
+    assert out.prompt == "the sky!"
+
+
 def test_vllm_options_given_as_none_keep_the_defaults():
     """OpenRLHF passes ``gpu_memory_utilization=None`` (and may pass None for the others): the engine's default."""
     from trainer_adapters import engine_options

@@ -210,8 +210,17 @@ class EngineActor:
         return self.engine.generate(prompts, self._sampling(sampling_params), prompt_token_ids=prompt_token_ids,
                                     use_tqdm=use_tqdm)
 
-    def chat(self, messages: Any, sampling_params: Any = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        return self.engine.chat(messages, self._sampling(sampling_params), use_tqdm=use_tqdm)
+    def chat(self, messages: Any, sampling_params: Any = None, use_tqdm: bool = False, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation or a list of them, with its template options
+        (``chat_template_kwargs={"enable_thinking": False}``, ``tools``, ``continue_final_message``, ...);
+        ``sampling_params`` as in ``generate``."""
+        return self.engine.chat(messages, self._sampling(sampling_params), use_tqdm=use_tqdm,
+                                chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message, tools=tools,
+                                chat_template_kwargs=chat_template_kwargs)
 
     def _sampling(self, params: Any) -> SamplingParams | list[SamplingParams]:
         if isinstance(params, (list, tuple)):
