@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -88,9 +89,9 @@ class SamplingParams:
             self.verify()
         except ValueError as e:  # name the field as the caller typed it (max_tokens, not max_new_tokens)
             message = str(e)
-            for target, key in seen.items():
-                if key != target and message.startswith(target):
-                    message = key + message[len(target):]
+            for target, key in seen.items():  # every mention: "min_tokens (5) must be <= max_tokens (3)"
+                if key != target:
+                    message = re.sub(rf"\b{target}\b", key, message)
             raise ValueError(message) from None
 
     @classmethod

@@ -81,3 +81,12 @@ def test_numpy_numbers_are_taken_as_python_numbers(engine):
     assert len(out.token_ids) <= 4
     with pytest.raises(ValueError, match="max_tokens must be an int"):
         SamplingParams(max_tokens=np.bool_(True))
+
+
+def test_errors_name_every_field_as_the_caller_typed_it():
+    """vLLM's names in the message wherever the caller used them: the second field of a comparison kept the
+    internal name ("min_tokens (5) must be <= max_new_tokens (3)" for min_tokens=5, max_tokens=3)."""
+    with pytest.raises(ValueError, match=r"^min_tokens \(5\) must be <= max_tokens \(3\)$"):
+        SamplingParams(min_tokens=5, max_tokens=3)
+    with pytest.raises(ValueError, match=r"^min_new_tokens \(5\) must be <= max_new_tokens \(3\)$"):
+        SamplingParams(min_new_tokens=5, max_new_tokens=3)
