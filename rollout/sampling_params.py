@@ -32,8 +32,9 @@ class SamplingParams:
     model's raw distribution (``logprobs_mode="raw"``, the default) or from the distribution actually
     sampled from after penalties, temperature, top-k/top-p/min-p (``"processed"``).
     ``seed`` makes the sample depend only on (seed, sample index, token position), whatever else
-    shares the batch; -1 means no seed (None), as in vLLM. ``max_tokens``/``min_tokens`` are accepted as aliases (vLLM's names), and
-    SGLang's ``sampling_seed`` (``seed``) and ``no_stop_trim`` (``include_stop_str_in_output``).
+    shares the batch; -1 means no seed (None), as in vLLM. ``max_tokens``/``min_tokens`` are accepted as
+    aliases (vLLM's names), and SGLang's ``sampling_seed`` (``seed``) and ``no_stop_trim``
+    (``include_stop_str_in_output``).
     ``prompt_logprobs`` (vLLM's name) is None (off) or k >= 0: the logprob of every prompt token given the
     ones before it (raw, like ``logprobs``), with the top-k alternatives, in ``RequestOutput.prompt_logprobs``;
     ``logprob_start_len`` (SGLang's name) starts them later: positions up to and including it get None.
