@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from rollout.dtypes import dtype_name
-from rollout.engine_inputs import abort_ids
+from rollout.engine_inputs import abort_ids, check_wake_tags
 
 DEFAULT_TIMEOUT_S = 3600.0
 
@@ -144,8 +144,7 @@ class EngineClient:
 
     def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
         """``Engine.wake_up`` over HTTP; an empty list is refused here (an empty query would wake everything)."""
-        if tags is not None and not tags:
-            raise ValueError("tags must be a non-empty list (None wakes everything that is released)")
+        check_wake_tags(tags)
         query = urllib.parse.urlencode([("tags", t) for t in tags or []])
         return _result(self._post("/wake_up" + (f"?{query}" if query else ""), None))
 

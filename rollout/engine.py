@@ -21,7 +21,7 @@ from rollout import engine_outputs
 from rollout.config import EngineConfig, ModelConfig
 from rollout.dtypes import dtype_name
 from rollout.engine_inputs import (ChatTemplateOptions, PromptItem, abort_ids, chat_prompt, chat_prompt_ids,
-                                   conversations, normalize)
+                                   check_wake_tags, conversations, normalize)
 from rollout.io_struct import (BenchmarkReceiveReq, ContinueGenerationReq, ControlReq, DestroyProcessGroupReq,
                                FlushCacheReq, GetLoadReq, GetMemoryStateReq, GetStepStatsReq, GetWeightsByNameReq,
                                GetWeightStateReq, GetWeightVersionReq, InitProcessGroupReq, PauseGenerationReq,
@@ -137,13 +137,9 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine has been shut down")
         tm = self.tokenizer_manager
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        elif isinstance(sampling_params, (list, tuple)):
-            sampling_params = [self.get_default_sampling_params() if p is None else p for p in sampling_params]
         items = [(text, ids if ids is not None else tm.tokenize(text), p, rid) for text, ids, p, rid in
                  normalize(prompts, prompt_token_ids, sampling_params, request_id,
-                           lambda messages: chat_prompt(self.tokenizer, messages))]
+                           lambda messages: chat_prompt(self.tokenizer, messages), self.sampling_defaults)]
         for _, ids, p, _ in items:
             tm.validate(ids, p)
         return items
@@ -233,8 +229,7 @@ class Engine:
         """vLLM's call: resume ``tags`` ("weights", "kv_cache"; None: everything released). As in vLLM, waking an
         awake engine, or naming a tag that is not asleep, is a warning and does nothing (SGLang's
         ``resume_memory_occupation`` refuses); unknown tags and an empty list are a ValueError."""
-        if tags is not None and not tags:  # docs/colocation.md: an empty list names nothing to wake
-            raise ValueError("tags must be a non-empty list (None wakes everything that is released)")
+        check_wake_tags(tags)
         state = self._call(GetMemoryStateReq())
         if all(t in _WAKE_TAGS for t in tags or ()):  # unknown tags: resume_memory_occupation's ValueError
             awake = [t for t in tags or () if t not in state["released"]]

@@ -114,6 +114,13 @@ def abort_ids(ids: Any) -> list[str]:
     return out
 
 
+def check_wake_tags(tags: list[str] | None) -> None:
+    """``wake_up``'s ``tags`` on every surface: None wakes everything released; an empty list names nothing to
+    wake and is a ValueError (docs/colocation.md; over HTTP it would be an empty query, which wakes everything)."""
+    if tags is not None and not tags:
+        raise ValueError("tags must be a non-empty list (None wakes everything that is released)")
+
+
 def check_unicode(text: str, what: str) -> None:
     """ValueError if ``text`` holds a lone UTF-16 surrogate (valid JSON can carry one; no tokenizer takes it)."""
     try:
@@ -124,9 +131,11 @@ def check_unicode(text: str, what: str) -> None:
 
 
 def normalize(prompts: Any, prompt_token_ids: Any, sampling_params: Any, request_id: Any,
-              render_chat: Callable[[list[dict[str, Any]]], tuple[str, list[int]]]) -> list[PromptItem]:
+              render_chat: Callable[[list[dict[str, Any]]], tuple[str, list[int]]],
+              defaults: Mapping[str, Any] | None = None) -> list[PromptItem]:
     """One (text, token ids, params, request id) per prompt; ValueError naming the problem. A conversation
-    (a list of message dicts) is rendered by ``render_chat`` into its text and token ids (``chat_prompt``)."""
+    (a list of message dicts) is rendered by ``render_chat`` into its text and token ids (``chat_prompt``).
+    Sampling params of None (all, or one prompt's) are ``defaults`` (the model's, ``Engine.sampling_defaults``)."""
     if prompt_token_ids is not None:
         if prompts is not None:
             raise ValueError("pass prompts or prompt_token_ids, not both")
@@ -146,9 +155,9 @@ def normalize(prompts: Any, prompt_token_ids: Any, sampling_params: Any, request
     if isinstance(sampling_params, (list, tuple)):
         if len(sampling_params) != len(pairs):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(pairs)} prompts")
-        params = [SamplingParams.from_any(p) for p in sampling_params]
+        params = [SamplingParams.from_any(defaults if p is None else p) for p in sampling_params]
     else:
-        params = [SamplingParams.from_any(sampling_params)] * len(pairs)
+        params = [SamplingParams.from_any(defaults if sampling_params is None else sampling_params)] * len(pairs)
     rids = request_ids(request_id, len(pairs))
     return [(text, ids, p, rid) for (text, ids), p, rid in zip(pairs, params, rids)]
 
