@@ -115,6 +115,13 @@ class Engine:
                             options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages, options)
 
+    def get_tokenizer(self) -> Any:
+        """vLLM's ``LLM.get_tokenizer()``: the Hugging Face tokenizer this engine encodes and decodes with; a
+        ValueError for an engine started with ``skip_tokenizer_init`` (vLLM's message)."""
+        if self.tokenizer is None:
+            raise ValueError("Unable to get tokenizer because skip_tokenizer_init is True")
+        return self.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the SamplingParams a request gets when it passes none, a new object each call: the library's
         defaults with the model's ``generation_config.json`` values over them (``sampling_defaults="model"``,

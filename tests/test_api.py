@@ -38,6 +38,15 @@ def test_text_prompts_and_output_shape(engine, path, hf_reference):
         assert out.weight_version == "0"
 
 
+def test_get_tokenizer_is_vllms(engine, path):
+    """vLLM's ``LLM.get_tokenizer()``: the tokenizer the engine uses; refused without one."""
+    assert engine.get_tokenizer() is engine.tokenizer
+    assert engine.get_tokenizer().decode(engine.get_tokenizer().encode("hello world")) == "hello world"
+    with Engine(path, dtype="float32", device="cpu", skip_tokenizer_init=True) as bare:
+        with pytest.raises(ValueError, match="skip_tokenizer_init"):
+            bare.get_tokenizer()
+
+
 def test_detokenize_off_gives_token_ids_without_text(engine):
     """vLLM's ``detokenize=False``: the same tokens, no text, no decoded logprob tokens; stop strings need the
     text, so they are refused with it (vLLM's check)."""
