@@ -228,3 +228,11 @@ def test_tokenize_renders_messages_as_chat_completions_does(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "add_generation_prompt", r.text
     r = http.post("/tokenize", json={"messages": messages, "chat_template": "{{ raise_exception('no') }}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+def test_health_generate_answers_200_after_generating_a_token(http, server):
+    """SGLang's ``GET /health_generate`` (which clients poll to wait for a server, e.g. before a rollout) generates
+    one token and answers 200 with an empty body; it was a 404, so such a client waited forever."""
+    r = http.get("/health_generate")
+    assert r.status_code == 200 and r.content == b"", r.text
+    assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 401  # the key applies as to /health

@@ -2,7 +2,7 @@
 
 ``create_app(args)`` builds it; the Engine starts when the app starts (``/health`` answers 503 until it
 is ready) and stops when the app stops. Besides the routers it serves ``GET /health``,
-``GET /metrics``, ``GET /get_server_info`` and ``GET /get_model_info``.
+``GET /health_generate``, ``GET /metrics``, ``GET /get_server_info`` and ``GET /get_model_info``.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
@@ -18,13 +19,15 @@ from fastapi.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rollout.sampling_params import SamplingParams
 from rollout.server import control_api, generate_api, memory_api, openai_api
-from rollout.server.errors import error_response, install_error_handlers
+from rollout.server.errors import APIError, error_response, install_error_handlers
 from rollout.server.metrics import CONTENT_TYPE
 from rollout.server.server_args import ServerArgs
 from rollout.server.state import ServerState
 
 _LOAD_TIMEOUT_S = 2.0
+_HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
 
 
 def create_app(args: ServerArgs, state: ServerState | None = None,
@@ -60,6 +63,25 @@ def _add_basic_routes(app: FastAPI) -> None:
     async def health(request: Request) -> dict[str, Any]:
         request.app.state.server.require_engine()
         return {"status": "ok"}
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        """SGLang's deeper check, which clients poll to wait for a server: 200 (empty) once the engine generated
+        one token (greedy, from prompt [0], as SGLang's); 503 while it is not ready, or when that token did not
+        come within 20 s (the request is then aborted)."""
+        engine = request.app.state.server.require_engine()
+        prompt = [{"prompt": None, "prompt_token_ids": [0]}]
+        work = engine.async_generate(prompt, [SamplingParams(max_tokens=1, temperature=0.0)],
+                                     request_id=[f"health-generate-{uuid.uuid4().hex}"])
+        try:
+            (out,) = await asyncio.wait_for(work, _HEALTH_GENERATE_TIMEOUT_S)  # cancelled on timeout: aborted
+        except asyncio.TimeoutError:
+            raise APIError(503, f"the engine generated no token within {_HEALTH_GENERATE_TIMEOUT_S:g} s") from None
+        except (ValueError, RuntimeError) as e:
+            raise APIError(503, f"the engine could not generate: {e}") from None
+        if out.outputs[0].finish_reason == "abort":  # aborted by /abort_request abort_all or a pause
+            raise APIError(503, "the health check's request was aborted")
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
