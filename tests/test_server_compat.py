@@ -236,3 +236,25 @@ def test_health_generate_answers_200_after_generating_a_token(http, server):
     r = http.get("/health_generate")
     assert r.status_code == 200 and r.content == b"", r.text
     assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 401  # the key applies as to /health
+
+
+def test_generate_takes_one_rid_for_a_batch_as_sglang_does(http):
+    """SGLang names the prompts of a batch given one ``rid`` string ``<rid>_<i>`` (docs: "``rid`` (a string, or one
+    per prompt)"); it was a 400 "got 1 request ids for 2 prompts". ``/abort_request`` takes the string for all."""
+    body = {"input_ids": [[4, 5, 6], [7, 8]], "rid": "batch-rid", "sampling_params": {"max_new_tokens": 2}}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    assert [item["meta_info"]["id"] for item in r.json()] == ["batch-rid_0", "batch-rid_1"]
+    r = http.post("/generate", json={**body, "input_ids": [[4, 5, 6]], "rid": "one"})
+    assert [item["meta_info"]["id"] for item in r.json()] == ["one_0"]
+    long = {**body, "rid": "live-batch", "stream": True,
+            "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}}
+    with http.stream("POST", "/generate", json=long) as s:
+        lines = s.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        got = http.post("/abort_request", json={"rid": "live-batch"}).json()
+        assert got["success"] is True, got
+        events = sse_events(lines)
+    last = {e["meta_info"]["id"]: e["meta_info"]["finish_reason"]["type"] for e in events
+            if e["meta_info"]["finish_reason"]}
+    assert last == {"live-batch_0": "abort", "live-batch_1": "abort"}, last

@@ -109,9 +109,10 @@ def _job(body: GenerateRequest) -> GenJob:
     if body.routed_experts_start_len and not body.return_routed_experts:
         raise APIError(400, "routed_experts_start_len needs return_routed_experts=true", "routed_experts_start_len")
     texts = ids = None
+    batch = isinstance(body.text, list) or bool(body.input_ids and isinstance(body.input_ids[0], list))
     if body.text is not None:
-        texts = [body.text] if isinstance(body.text, str) else list(body.text)
-    elif body.input_ids and isinstance(body.input_ids[0], list):
+        texts = list(body.text) if batch else [body.text]
+    elif batch:
         ids = [list(p) for p in body.input_ids]
     else:
         ids = [list(body.input_ids or [])]
@@ -131,7 +132,11 @@ def _job(body: GenerateRequest) -> GenJob:
             if body.logprob_start_len >= 0:
                 values.update(prompt_logprobs=body.top_logprobs_num, logprob_start_len=body.logprob_start_len)
         params.append(sampling_params(values))
-    return GenJob(texts, ids, params, request_ids("", count, body.rid), length_param="sampling_params.max_new_tokens")
+    rid, group_id = body.rid, None
+    if isinstance(rid, str) and rid and batch:  # SGLang's: one id for a batch names its prompts "<rid>_<i>"
+        rid, group_id = [f"{rid}_{i}" for i in range(count)], rid
+    return GenJob(texts, ids, params, request_ids("", count, rid), length_param="sampling_params.max_new_tokens",
+                  group_id=group_id)
 
 
 # ---- engine output → SGLang JSON ------------------------------------------------------------------
