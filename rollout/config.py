@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,6 +169,15 @@ def _arch_from_model_type(model_type: str) -> str:
 
 
 _DEFAULTED_KEYS = ("rms_norm_eps", "max_position_embeddings")
+_TRANSFORMERS_IMPORT = threading.Lock()
+
+
+def import_transformers() -> Any:
+    """The ``transformers`` module, its first import done by one thread at a time. That import is not thread-safe:
+    a thread's ``from transformers import AutoTokenizer`` while another thread imports the package fails with an
+    ImportError (two engines started at once from two threads); once imported, concurrent imports are fine."""
+    with _TRANSFORMERS_IMPORT:
+        return importlib.import_module("transformers")
 
 
 def _with_architecture_defaults(raw: dict[str, Any]) -> dict[str, Any]:
@@ -177,7 +188,7 @@ def _with_architecture_defaults(raw: dict[str, Any]) -> dict[str, Any]:
     rope = raw.get("rope_parameters") or {}
     if all(k in raw for k in _DEFAULTED_KEYS) and ("rope_theta" in raw or "rope_theta" in rope):
         return raw
-    from transformers import CONFIG_MAPPING
+    CONFIG_MAPPING = import_transformers().CONFIG_MAPPING
 
     model_type = raw.get("model_type")
     if model_type not in CONFIG_MAPPING:

@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
 from rollout import engine_outputs
-from rollout.config import EngineConfig, ModelConfig
+from rollout.config import EngineConfig, ModelConfig, import_transformers
 from rollout.dtypes import dtype_name
 from rollout.engine_inputs import (ChatTemplateOptions, PromptItem, abort_ids, chat_prompt, chat_prompt_ids,
                                    check_wake_tags, conversations, normalize)
@@ -423,7 +423,7 @@ def _model_sampling_defaults(config: EngineConfig) -> Mapping[str, Any]:
 
 
 def _load_tokenizer(config: EngineConfig) -> Any:
-    from transformers import AutoTokenizer
+    AutoTokenizer = import_transformers().AutoTokenizer  # two engines may start at once, from two threads
 
     try:
         return AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)

@@ -86,3 +86,30 @@ def test_children_exit_when_the_parent_dies_or_exits(tiny_dir, tmp_path, how):
         parent.send_signal(signal.SIGKILL)
     parent.wait(timeout=60)
     assert _gone(pids), "engine subprocesses outlived their parent"
+
+
+_CONCURRENT_TOKENIZERS = textwrap.dedent("""
+    import sys, threading
+    from rollout.config import EngineConfig
+    from rollout.engine import _load_tokenizer
+    config, errors = EngineConfig(model_path=sys.argv[1], device="cpu"), []
+    def load():
+        try:
+            _load_tokenizer(config)
+        except Exception as e:
+            errors.append(repr(e))
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    print(errors)
+""")
+
+
+def test_engines_started_at_once_from_threads_load_their_tokenizers(tiny_dir):
+    """Engines started at once from several threads of a process that has not imported transformers yet: each
+    loads its tokenizer (``Engine.__init__`` → ``_load_tokenizer``). transformers' first import is not thread-safe;
+    unguarded, 2 or 3 of 4 threads failed with "ImportError: cannot import name 'AutoTokenizer'"."""
+    out = subprocess.run([sys.executable, "-c", _CONCURRENT_TOKENIZERS, tiny_dir("llama")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
