@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import numbers
 import os
 import threading
 from dataclasses import dataclass, field
@@ -346,8 +347,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if not isinstance(self.tp_size, numbers.Integral) or isinstance(self.tp_size, bool) or self.tp_size < 1:
+            # checked here: a float (2.0 from a YAML or JSON config) failed in ``launch`` with a bare TypeError
+            # after the IPC directory was made, and left it behind
+            raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
         if self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
             raise ValueError("chunked_prefill_size and max_prefill_tokens must be >= 1")
         if not 0.0 < self.mem_fraction_static < 1.0:

@@ -113,3 +113,16 @@ def test_engines_started_at_once_from_threads_load_their_tokenizers(tiny_dir):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+@pytest.mark.parametrize("tp_size", [2.0, "2"])
+def test_bad_tp_size_is_a_value_error_and_leaves_no_ipc_directory(tiny_dir, tp_size, tmp_path, monkeypatch):
+    """A tp_size that is not a positive int (2.0 from a YAML or JSON config) is refused before anything starts;
+    2.0 raised a bare TypeError in ``launch`` ("'float' object cannot be interpreted as an integer") after the
+    engine's IPC directory was made, and left that directory behind; "2" a TypeError from the comparison."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # IPCPaths.create's mkdtemp
+    with pytest.raises(ValueError, match="tp_size must be an int >= 1"):
+        Engine(tiny_dir("llama"), device="cpu", tp_size=tp_size)
+    assert list(tmp_path.glob("rollout-ipc-*")) == []
