@@ -191,6 +191,37 @@ def test_a_prompt_part_way_through_its_chunked_prefill_is_prefilled_again_on_the
     assert max(abs(a - b) for a, b in zip(c.token_logprobs, hf_logprobs(new, prompt, c.token_ids))) < 5e-5
 
 
+def test_a_restarted_chunked_prefill_computes_its_prompt_logprobs_again_on_the_new_weights(tiny_dir, hf_reference):
+    """The prompt restarted by an update between two of its chunks (above) kept the prompt logprobs of the chunks the
+    old weights computed: its output named only the new version, while its first 16 prompt logprobs were the old
+    model's (off by up to 4.6). They are now computed again, all the new model's."""
+    from rollout.config import EngineConfig, ModelConfig
+    from rollout.distributed import TPGroup
+    from rollout.io_struct import GenerateReq, UpdateWeightsFromDiskReq
+    from rollout.scheduler.scheduler import Scheduler
+
+    path, new_path = tiny_dir("llama"), tiny_dir("llama", seed=1)
+    config = EngineConfig(path, dtype="float32", device="cpu", skip_tokenizer_init=True, update_weights_in_flight=True,
+                          chunked_prefill_size=8, max_prefill_tokens=8)
+    sched = Scheduler(config, ModelConfig.from_path(path), TPGroup(), torch.device("cpu"))
+    replies = []
+    sched.reply = replies.append
+    prompt = torch.randint(3, 500, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
+    sched.handle(GenerateReq("p", prompt, params, 0, return_prompt_logprobs=True))
+    req = sched.outputs.live["p"]
+    sched.step()
+    sched.step()
+    assert sched.prefill.chunked is req and req.prompt_lps, "the update must land between two chunks"
+    sched.handle(UpdateWeightsFromDiskReq(model_path=new_path, cid=1))
+    while sched.busy:
+        sched.step()
+    assert replies[-1].ok and req.finished.type == "length" and req.token_versions == ["1", "1"]
+    expected = hf_logprobs(hf_reference(new_path).model, prompt[:1], prompt[1:])
+    assert len(req.prompt_lps) == len(expected) == len(prompt) - 1
+    assert max(abs(a - b) for a, b in zip(req.prompt_lps, expected)) < 1e-4
+
+
 def test_generate_gives_each_of_n_samples_the_version_of_its_last_token(path, tmp_path):
     """``/generate`` with ``n > 1`` across an in-flight update: each sample's ``meta_info.weight_version`` was the
     request's (the last message's, of whichever sample), so a sample that ended before the update reported the

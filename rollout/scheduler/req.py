@@ -126,6 +126,11 @@ class Req:
         if top is not None:
             self.prompt_lp_top.extend(top)
 
+    def drop_prompt_logprobs(self) -> None:
+        """Forget the prompt logprobs computed so far: a prefill started again (on new weights) computes them all
+        again, from ``prompt_lp_first`` on."""
+        self.prompt_lps, self.prompt_lp_ranks, self.prompt_lp_top = [], [], []
+
     def append_token(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
                      rank: int | None, weight_version: str = "") -> None:
         self.output_ids.append(token)

@@ -385,12 +385,14 @@ class Scheduler:
         """A weight update lands while a prompt is part-way through its chunked prefill: its KV so far is given back
         and it waits first in line to be prefilled again. It has sampled no token, so every token it samples is the
         new weights' (``token_weight_versions`` all name them), and so is its KV: kept, the chunks computed by the old
-        weights made those tokens neither policy's while their versions claimed the new one."""
+        weights made those tokens neither policy's while their versions claimed the new one. So are its prompt logprobs:
+        those of the chunks computed before the update are dropped and computed again."""
         req = self.prefill.chunked
         if req is None:
             return
         self.prefill.drop(req)
         self.cache.release(req)
+        req.drop_prompt_logprobs()
         self.waiting.appendleft(req)
 
     def fail_held_requests(self) -> None:
