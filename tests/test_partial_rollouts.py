@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
 
 from reference import hf_greedy, hf_logprobs
@@ -191,18 +192,21 @@ def test_a_prompt_part_way_through_its_chunked_prefill_is_prefilled_again_on_the
     assert max(abs(a - b) for a, b in zip(c.token_logprobs, hf_logprobs(new, prompt, c.token_ids))) < 5e-5
 
 
-def test_a_restarted_chunked_prefill_computes_its_prompt_logprobs_again_on_the_new_weights(tiny_dir, hf_reference):
-    """The prompt restarted by an update between two of its chunks (above) kept the prompt logprobs of the chunks the
-    old weights computed: its output named only the new version, while its first 16 prompt logprobs were the old
-    model's (off by up to 4.6). They are now computed again, all the new model's."""
+@pytest.mark.parametrize("how", ["in_flight", "retracted"])
+def test_a_restarted_chunked_prefill_computes_its_prompt_logprobs_again_on_the_new_weights(tiny_dir, hf_reference, how):
+    """A prompt part-way through its chunked prefill when an update lands: restarted by an update in flight (above), or
+    retracted by ``pause_generation(mode="retract")`` before the update (the RL loop's pause, update, continue). It
+    kept the prompt logprobs of the chunks the old weights computed: its output named only the new version, while its
+    first 16 prompt logprobs were the old model's (off by up to 4.6). They are now computed again, all the new
+    model's."""
     from rollout.config import EngineConfig, ModelConfig
     from rollout.distributed import TPGroup
-    from rollout.io_struct import GenerateReq, UpdateWeightsFromDiskReq
+    from rollout.io_struct import ContinueGenerationReq, GenerateReq, PauseGenerationReq, UpdateWeightsFromDiskReq
     from rollout.scheduler.scheduler import Scheduler
 
     path, new_path = tiny_dir("llama"), tiny_dir("llama", seed=1)
-    config = EngineConfig(path, dtype="float32", device="cpu", skip_tokenizer_init=True, update_weights_in_flight=True,
-                          chunked_prefill_size=8, max_prefill_tokens=8)
+    config = EngineConfig(path, dtype="float32", device="cpu", skip_tokenizer_init=True,
+                          update_weights_in_flight=how == "in_flight", chunked_prefill_size=8, max_prefill_tokens=8)
     sched = Scheduler(config, ModelConfig.from_path(path), TPGroup(), torch.device("cpu"))
     replies = []
     sched.reply = replies.append
@@ -213,10 +217,15 @@ def test_a_restarted_chunked_prefill_computes_its_prompt_logprobs_again_on_the_n
     sched.step()
     sched.step()
     assert sched.prefill.chunked is req and req.prompt_lps, "the update must land between two chunks"
+    if how == "retracted":
+        sched.handle(PauseGenerationReq(mode="retract", cid=0))
+        assert req in sched.waiting and req.prompt_lps
     sched.handle(UpdateWeightsFromDiskReq(model_path=new_path, cid=1))
+    sched.step()
+    sched.handle(ContinueGenerationReq(cid=2))
     while sched.busy:
         sched.step()
-    assert replies[-1].ok and req.finished.type == "length" and req.token_versions == ["1", "1"]
+    assert all(r.ok for r in replies) and req.finished.type == "length" and req.token_versions == ["1", "1"]
     expected = hf_logprobs(hf_reference(new_path).model, prompt[:1], prompt[1:])
     assert len(req.prompt_lps) == len(expected) == len(prompt) - 1
     assert max(abs(a - b) for a, b in zip(req.prompt_lps, expected)) < 1e-4

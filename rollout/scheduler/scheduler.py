@@ -378,22 +378,24 @@ class Scheduler:
         while self.update_queue and (not busy or self._runs_now(self.update_queue[0])):
             call = self.update_queue.popleft()
             if isinstance(call, WeightUpdateReq):
-                self._restart_chunked()
+                self._restart_prefills()
             self.reply(self.run_control(call))
 
-    def _restart_chunked(self) -> None:
+    def _restart_prefills(self) -> None:
         """A weight update lands while a prompt is part-way through its chunked prefill: its KV so far is given back
         and it waits first in line to be prefilled again. It has sampled no token, so every token it samples is the
         new weights' (``token_weight_versions`` all name them), and so is its KV: kept, the chunks computed by the old
-        weights made those tokens neither policy's while their versions claimed the new one. So are its prompt logprobs:
-        those of the chunks computed before the update are dropped and computed again."""
+        weights made those tokens neither policy's while their versions claimed the new one. So are its prompt logprobs,
+        and those of every waiting request that has sampled no token (one retracted part-way through its prefill, by
+        a full pool or ``pause_generation(mode="retract")``): those computed so far are dropped and computed again."""
         req = self.prefill.chunked
-        if req is None:
-            return
-        self.prefill.drop(req)
-        self.cache.release(req)
-        req.drop_prompt_logprobs()
-        self.waiting.appendleft(req)
+        if req is not None:
+            self.prefill.drop(req)
+            self.cache.release(req)
+            self.waiting.appendleft(req)
+        for req in self.waiting:
+            if not req.output_ids:
+                req.drop_prompt_logprobs()
 
     def fail_held_requests(self) -> None:
         """While the weights are inconsistent or the engine sleeps, every held request fails with the reason;
