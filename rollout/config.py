@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import numbers
 import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout.json_files import read_json_object
 from rollout.sampling_defaults import SAMPLING_DEFAULTS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -70,9 +70,7 @@ class ModelConfig:
         path = os.path.join(model_path, "config.json")
         if not os.path.isfile(path):
             raise ValueError(f"no config.json in model path {model_path!r}")
-        with open(path) as f:
-            raw = json.load(f)
-        return cls.from_dict(raw, _read_generation_eos(model_path))
+        return cls.from_dict(read_json_object(path), _read_generation_eos(model_path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], extra_eos: tuple[int, ...] = ()) -> "ModelConfig":
@@ -217,8 +215,7 @@ def _read_generation_eos(model_path: str) -> tuple[int, ...]:
     path = os.path.join(model_path, "generation_config.json")
     if not os.path.isfile(path):
         return ()
-    with open(path) as f:
-        eos = json.load(f).get("eos_token_id")
+    eos = read_json_object(path).get("eos_token_id")
     if eos is None:
         return ()
     return tuple(eos if isinstance(eos, list) else [eos])

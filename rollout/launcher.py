@@ -168,8 +168,8 @@ def _poll_child(proc: ChildProcess) -> dict[str, Any] | None:
             info = {"ok": False, "error": f"{proc.name} exited during start-up (exit code {proc.exitcode})"}
         if info.get("ok"):
             return info
-        if info.get("type") == "ValueError":
-            raise ValueError(info["error"])
+        if info.get("type") == "ValueError":  # the child's own message, without its "ValueError: " prefix
+            raise ValueError(info["error"].removeprefix("ValueError: "))
         raise ChildStartError(f"{proc.name} failed to start: {info['error']}\n{info.get('traceback', '')}")
     if not proc.is_alive():
         raise ChildStartError(f"{proc.name} exited during start-up (exit code {proc.exitcode})")

@@ -15,9 +15,10 @@ ships temperature 0.6, top-p 0.95, top-k 20; Llama-3.1-Instruct temperature 0.6,
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
+
+from rollout.json_files import read_json_object
 
 __all__ = ["SAMPLING_DEFAULTS", "read_sampling_defaults"]
 
@@ -31,14 +32,11 @@ def read_sampling_defaults(model_path: str) -> dict[str, Any]:
     """{SamplingParams name: value} for each of ``_KEYS`` that the model's ``generation_config.json`` sets to a
     value other than null; ``max_new_tokens`` comes back as ``max_tokens``. {} without the file.
 
-    Raises ValueError when the file is not a JSON object; a bad value is refused where it is used
+    Raises ValueError when the file is not valid JSON or not an object; a bad value is refused where it is used
     (``SamplingParams.from_any`` names the field).
     """
     path = os.path.join(model_path, "generation_config.json")
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        raw = json.load(f)
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} is not a JSON object")
+    raw = read_json_object(path)
     return {name: raw[key] for key, name in _KEYS.items() if raw.get(key) is not None}

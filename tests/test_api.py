@@ -295,6 +295,16 @@ def test_unsupported_architecture(tmp_path, path):
         Engine(str(tmp_path), device="cpu")
     with pytest.raises(ValueError, match="no config.json"):
         Engine(str(tmp_path / "missing"), device="cpu")
+    (tmp_path / "config.json").write_text(json.dumps(config)[:-1])  # cut short: a JSONDecodeError naming no file
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        Engine(str(tmp_path), device="cpu")
+
+
+def test_a_subprocesss_start_up_value_error_keeps_its_own_message(path):
+    """The scheduler's ValueError at start-up is raised as a ValueError with its message (it read 'ValueError:
+    ValueError: ...')."""
+    with pytest.raises(ValueError, match=r"^not enough memory for the KV cache \(1 slots\)$"):
+        Engine(path, dtype="float32", device="cpu", max_total_tokens=1)
 
 
 def test_two_engines_in_one_process(engine, tiny_dir, hf_reference, path):
