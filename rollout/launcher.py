@@ -123,6 +123,7 @@ def launch(config: EngineConfig) -> EngineProcesses:
     from rollout.detokenizer import run_detokenizer_process
     from rollout.scheduler.process import run_scheduler_process
 
+    check_devices(config)
     engine = EngineProcesses(IPCPaths.create())
     targets = [(run_scheduler_process, (config, engine.paths, rank), f"rollout-scheduler-tp{rank}")
                for rank in range(config.tp_size)]
@@ -140,6 +141,23 @@ def launch(config: EngineConfig) -> EngineProcesses:
     engine.context_len = infos[0]["context_len"]
     engine.num_slots = infos[0]["num_slots"]
     return engine
+
+
+def check_devices(config: EngineConfig) -> None:
+    """A CUDA device that torch here cannot see is a ValueError before any child starts (the ranks failed with an
+    AssertionError or an AttributeError from deep in torch): rank r runs on GPU ``index + r``."""
+    import torch
+
+    dev = torch.device(config.resolved_device)
+    if dev.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {config.device!r}, but torch {torch.__version__} sees no CUDA GPU "
+                         "(torch.cuda.is_available() is False)")
+    last = (dev.index or 0) + config.tp_size - 1
+    if last >= torch.cuda.device_count():
+        raise ValueError(f"tp_size {config.tp_size} on device {config.device!r} needs GPUs {dev.index or 0}..{last}, "
+                         f"but torch sees {torch.cuda.device_count()}")
 
 
 def _wait_ready(procs: list[ChildProcess]) -> list[dict[str, Any]]:

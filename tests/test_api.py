@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from conftest import prompts_of_lengths
 from rollout import Engine, RequestOutput, SamplingParams
@@ -298,6 +299,15 @@ def test_unsupported_architecture(tmp_path, path):
     (tmp_path / "config.json").write_text(json.dumps(config)[:-1])  # cut short: a JSONDecodeError naming no file
     with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
         Engine(str(tmp_path), device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+@pytest.mark.parametrize("device,tp_size", [("cuda", 1), ("cuda:0", 2)])
+def test_a_cuda_device_torch_cannot_see_is_a_clear_value_error(path, device, tp_size):
+    """Refused before any child starts (the ranks failed with 'Torch not compiled with CUDA enabled' or
+    AttributeError: ... '_cuda_setDevice')."""
+    with pytest.raises(ValueError, match="sees no CUDA GPU"):
+        Engine(path, dtype="float32", device=device, tp_size=tp_size)
 
 
 def test_a_subprocesss_start_up_value_error_keeps_its_own_message(path):
