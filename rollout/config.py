@@ -297,6 +297,9 @@ class EngineConfig:
     ``sampling_defaults`` (SGLang's name; vLLM's ``generation_config="auto"``): "model" (default) takes the
     sampling fields a request leaves unset from the model's ``generation_config.json``, "openai" keeps the
     library's defaults (``rollout.sampling_defaults`` says where they apply).
+    ``max_logprobs`` (vLLM's engine argument, default 20): the most top logprobs a request may ask for
+    (``logprobs``, ``prompt_logprobs``, the OpenAI ``top_logprobs`` / ``logprobs``, ``/generate``'s
+    ``top_logprobs_num``); -1 allows the whole vocabulary. A request asking for more is refused with vLLM's message.
     """
 
     model_path: str
@@ -340,6 +343,7 @@ class EngineConfig:
     enable_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int | None = None
     sampling_defaults: str = "model"
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -376,6 +380,8 @@ class EngineConfig:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
         if not self.schedule_conservativeness >= 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
+        if not isinstance(self.max_logprobs, numbers.Integral) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an int >= -1 (-1: the whole vocabulary), got {self.max_logprobs!r}")
         if self.sampling_defaults not in SAMPLING_DEFAULTS:
             raise ValueError(f"sampling_defaults must be one of {SAMPLING_DEFAULTS}, got {self.sampling_defaults!r}")
         if self.piecewise_cuda_graph_max_tokens is not None and self.piecewise_cuda_graph_max_tokens < 1:

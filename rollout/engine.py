@@ -61,6 +61,9 @@ class Engine:
         if self.config.context_length is not None and self.config.context_length > limit:  # SGLang and vLLM refuse too
             raise ValueError(f"context_length {self.config.context_length} is longer than the model's "
                              f"max_position_embeddings ({limit})")
+        if self.config.max_logprobs > self.model_config.vocab_size:  # vLLM refuses it too
+            raise ValueError(f"max_logprobs ({self.config.max_logprobs}) is greater than the vocabulary size "
+                             f"({self.model_config.vocab_size})")
         self.sampling_defaults = _model_sampling_defaults(self.config)
         self.tokenizer = None if self.config.skip_tokenizer_init else _load_tokenizer(self.config)
         self._procs = launch(self.config)

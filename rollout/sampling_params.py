@@ -166,9 +166,9 @@ class SamplingParams:
         if self.seed is not None:  # vLLM's range (a 64-bit seed): larger ones aliased smaller ones silently
             _check_int(self, "seed", lo=-2**63, hi=2**63 - 1)
         if self.logprobs is not None:
-            _check_int(self, "logprobs", lo=0, hi=20)
+            _check_int(self, "logprobs", lo=0)  # at most the engine's max_logprobs (checked at submission)
         if self.prompt_logprobs is not None:
-            _check_int(self, "prompt_logprobs", lo=0, hi=20)
+            _check_int(self, "prompt_logprobs", lo=0)
         _check_int(self, "logprob_start_len", lo=0)
         if self.logprobs_mode not in _LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {_LOGPROBS_MODES}, got {self.logprobs_mode!r}")

@@ -102,8 +102,17 @@ class TokenizerManager:
                              f"({len(prompt_ids)})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        self._validate_logprobs(params)
         if params.return_routed_experts:
             self._validate_routed_experts(prompt_ids, params)
+
+    def _validate_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's check (``Processor._validate_logprobs``): at most ``max_logprobs`` top logprobs a position (-1: the
+        vocabulary), with vLLM's messages."""
+        limit = self.config.max_logprobs if self.config.max_logprobs >= 0 else self.model_cfg.vocab_size
+        for kind, k in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            if k is not None and k > limit:
+                raise ValueError(f"Requested {kind} logprobs of {k}, which is greater than max allowed: {limit}")
 
     def _validate_routed_experts(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not self.model_cfg.is_moe:

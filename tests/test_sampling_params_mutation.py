@@ -23,8 +23,8 @@ def test_vllm_names_are_settable_and_honoured(engine):
 
 
 @pytest.mark.parametrize("field,value,words", [
-    ("logprobs", 1000, "logprobs must be in"),
-    ("prompt_logprobs", 600, "prompt_logprobs must be in"),
+    ("logprobs", 1000, "Requested sample logprobs of 1000"),
+    ("prompt_logprobs", 600, "Requested prompt logprobs of 600"),
     ("n", 0, "n must be in"),
     ("temperature", -1.0, "temperature"),
     ("max_new_tokens", -3, "max_new_tokens"),

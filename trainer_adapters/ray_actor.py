@@ -43,9 +43,10 @@ _VLLM_OPTIONS = {
 _VLLM_IGNORED = frozenset({"trust_remote_code", "distributed_executor_backend", "worker_cls",
                            "worker_extension_cls", "bundle_indices", "num_gpus",
                            "full_determinism", "num_actors", "enable_chunked_prefill", "swap_space",
-                           "disable_log_stats", "max_logprobs"})
+                           "disable_log_stats"})
 # vLLM engine arguments where None means "the default" (OpenRLHF passes gpu_memory_utilization=None)
-_VLLM_NONE_IS_DEFAULT = frozenset(_VLLM_OPTIONS) | {"enable_prefix_caching", "enforce_eager", "generation_config"}
+_VLLM_NONE_IS_DEFAULT = frozenset(_VLLM_OPTIONS) | {"enable_prefix_caching", "enforce_eager", "generation_config",
+                                                    "max_logprobs"}
 # vLLM's generation_config → our sampling_defaults
 _VLLM_GENERATION_CONFIG = {"auto": "model", "vllm": "openai"}
 # vLLM's engine-level logprobs_mode → our per-request SamplingParams.logprobs_mode

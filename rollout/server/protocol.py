@@ -70,7 +70,7 @@ class CompletionRequest(OpenAICommon):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0)  # <= the engine's max_logprobs
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -117,7 +117,7 @@ class ChatCompletionRequest(OpenAICommon, ChatTemplateFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)  # <= the engine's max_logprobs
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: Any = None
@@ -135,7 +135,7 @@ class GenerateRequest(Body):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False
-    top_logprobs_num: int = Field(default=0, ge=0, le=20)
+    top_logprobs_num: int = Field(default=0, ge=0)  # <= the engine's max_logprobs
     logprob_start_len: int = Field(default=-1, ge=-1)
     return_text_in_logprobs: bool = False
     return_routed_experts: bool = False

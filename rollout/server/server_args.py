@@ -35,6 +35,7 @@ _ENGINE_OPTIONS = {
     "decode_balance_ratio": "decode_balance_ratio",
     "piecewise_cuda_graph_max_tokens": "piecewise_cuda_graph_max_tokens",
     "sampling_defaults": "sampling_defaults",
+    "max_logprobs": "max_logprobs",
 }
 
 # on/off flags, passed to the Engine (same field name) only when set
@@ -84,6 +85,7 @@ class ServerArgs:
     enable_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int | None = None
     sampling_defaults: str | None = None
+    max_logprobs: int | None = None
     log_level: str = "info"
     log_interval: float | None = None
     log_requests: bool = False
@@ -192,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling-defaults", default=None, choices=SAMPLING_DEFAULTS,
                    help="model (default): OpenAI requests take the sampling fields they leave unset from the model's "
                         "generation_config.json; openai: the library's defaults")
+    p.add_argument("--max-logprobs", type=int, default=None,
+                   help="the most top logprobs a request may ask for (vLLM's flag; default 20, -1: the vocabulary)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-interval", type=float, default=None, help="seconds between scheduler log lines")
     p.add_argument("--log-requests", action="store_true", help="log every HTTP request (uvicorn access log)")

@@ -89,10 +89,11 @@ PY_BAD = [
 
 ENGINE_BAD = [  # engine options refused before any subprocess starts
     (dict(model_path="/no/such/model"), "no config.json"),
-    (dict(tp_size=0), "tp_size must be >= 1"),
+    (dict(tp_size=0), "tp_size must be an int >= 1"),
     (dict(bogus_option=1), "unknown engine options"),
     (dict(attention_backend="flashinfer"), "needs a CUDA device"),
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be"),
+    (dict(max_logprobs=-2), "max_logprobs must be an int >= -1"),
     (dict(page_size=0), "page_size must be >= 1"),
     (dict(max_running_requests=0), "max_running_requests must be >= 1"),
     (dict(context_length=10**6), "longer than the model's max_position_embeddings"),
