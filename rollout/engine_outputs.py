@@ -158,6 +158,8 @@ def _chunk(tm: TokenizerManager, state: ReqState) -> RequestOutput | None:
         return None
     if state.error is not None:
         _raise(state)
+    if state.params.prompt_logprobs is not None and state.prompt_logprobs is None and not state.finished:
+        return None  # sample 0 computes them, for the first chunk; the others (max_tokens=0: done at once) wait
     out = tm.build_output(state, delta=True)
     state.closed = out.finished
     return out

@@ -258,3 +258,24 @@ def test_generate_takes_one_rid_for_a_batch_as_sglang_does(http):
     last = {e["meta_info"]["id"]: e["meta_info"]["finish_reason"]["type"] for e in events
             if e["meta_info"]["finish_reason"]}
     assert last == {"live-batch_0": "abort", "live-batch_1": "abort"}, last
+
+
+def test_streamed_echo_logprobs_of_every_sample_hold_the_prompt_logprobs(http, path):
+    """With n > 1 only sample 0 computes the prompt logprobs, and with ``max_tokens: 0`` the other samples finish at
+    once: a stream's first chunk came without the prompt logprobs (the docs: "a stream carries it in its first
+    chunk"), so streamed ``echo`` + ``logprobs`` (an lm-eval scoring request) gave samples 1..n-1 null prompt
+    logprobs."""
+    body = {"model": path, "prompt": [[5, 6, 7, 8, 9], [10, 11, 12]], "max_tokens": 0, "echo": True, "logprobs": 1,
+            "n": 3, "temperature": 1.0}
+    whole = http.post("/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    want = {c["index"]: c["logprobs"]["token_logprobs"] for c in whole.json()["choices"]}
+    assert all(v is not None for lps in want.values() for v in lps[1:]) and len(want) == 6, want
+    for _ in range(4):  # the prompts cached by the request before: samples 1..n-1 finished before sample 0 ran
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            events = sse_events(r.iter_lines())
+        got: dict[int, list] = {}
+        for e in events:
+            for c in e["choices"]:
+                got.setdefault(c["index"], []).extend(c["logprobs"]["token_logprobs"])
+        assert got.keys() == want.keys() and all(got[i] == pytest.approx(want[i], abs=1e-5) for i in want), got
