@@ -279,3 +279,19 @@ def test_streamed_echo_logprobs_of_every_sample_hold_the_prompt_logprobs(http, p
             for c in e["choices"]:
                 got.setdefault(c["index"], []).extend(c["logprobs"]["token_logprobs"])
         assert got.keys() == want.keys() and all(got[i] == pytest.approx(want[i], abs=1e-5) for i in want), got
+
+
+def test_chat_return_token_ids_names_the_prompt_ids_at_the_top_level_as_vllm(http, path):
+    """vLLM's chat completions with ``return_token_ids`` give ``prompt_token_ids`` at the response's top level (a
+    stream: its first chunk's) and ``token_ids`` per choice; agent loops read ``response.prompt_token_ids``. It was
+    only inside each choice, so such a client found none."""
+    body = {"model": path, "messages": CHAT, "max_tokens": 3, "n": 2, "return_token_ids": True, "temperature": 1.0}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    ids = http.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+    assert r.json()["prompt_token_ids"] == ids and all(len(c["token_ids"]) == 3 for c in r.json()["choices"])
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        events = sse_events(s.iter_lines())
+    assert events[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in e for e in events[1:]), events
+    plain = http.post("/v1/chat/completions", json={**body, "return_token_ids": False}).json()
+    assert "prompt_token_ids" not in plain

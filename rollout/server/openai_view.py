@@ -34,6 +34,7 @@ class OpenAIView:
         self.n = body.n
         self.logprobs = body.logprobs if not chat else ((body.top_logprobs or 0) if body.logprobs else None)
         self.token_ids = body.return_token_ids
+        self.prompt_ids = job.token_ids[0] if chat and self.token_ids else None  # chat's one prompt, templated
         self.echo = not chat and body.echo
         self.echoed: set[int] = set()
         self.prompt_lps: dict[str, list[Any] | None] = {}  # request id → prompt logprobs (a stream's first chunk)
@@ -56,8 +57,11 @@ class OpenAIView:
             self._count(out, finished=True)
             for c in out.outputs:
                 choices.append(self._choice(out, c, delta=False))
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": self._usage(), "weight_version": self.weight_version}
+        response = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                    "choices": choices, "usage": self._usage(), "weight_version": self.weight_version}
+        if self.chat and self.token_ids:  # vLLM's chat response names its prompt's ids once, at the top level
+            response["prompt_token_ids"] = outs[0].prompt_token_ids
+        return response
 
     # -- streams --
 
@@ -66,8 +70,11 @@ class OpenAIView:
         if not self.chat:
             return []
         total = len(self.prompt_index) * self.n
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]) for i in range(total)]
+        chunks = [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}]) for i in range(total)]
+        if self.token_ids and self.prompt_ids is not None:  # vLLM: the stream's first chunk, at the top level
+            chunks[0]["prompt_token_ids"] = self.prompt_ids
+        return chunks
 
     def delta(self, out: RequestOutput) -> list[dict[str, Any]]:
         self._count(out, finished=out.finished)
