@@ -198,6 +198,25 @@ def test_push_colocated_through_the_engine_actor(local_actor, hf_model):
     assert get(local_actor.get_weight_state.remote(), 30)["state"] == "consistent"
 
 
+def test_engine_actor_update_weights_from_tensor_takes_sglangs_load_format(local_actor, hf_model):
+    """verl calls ``update_weights_from_tensor(named_tensors=..., load_format=None, flush_cache=...)`` as SGLang's
+    Engine takes it; the actor's method had no ``load_format`` (a TypeError before anything loaded) although
+    ``Engine.update_weights_from_tensor`` has it. None and "direct" load; another format is the engine's
+    ValueError, weights untouched."""
+    from trainer_adapters import get
+
+    trained = scaled_copy(hf_model, 1.04)
+    named = list(trained.named_parameters())
+    get(local_actor.update_weights_from_tensor.remote(named_tensors=named[:3], load_format=None, flush_cache=False), 30)
+    get(local_actor.update_weights_from_tensor.remote(named_tensors=named[3:], load_format="direct",
+                                                      flush_cache=True, weight_version="verl"), 30)
+    assert get(local_actor.get_weight_version.remote(), 30) == "verl"
+    assert get(local_actor.weights_fingerprint.remote(), 30) == weight_sync.fingerprint(trained)
+    with pytest.raises(ValueError, match="load_format"):
+        get(local_actor.update_weights_from_tensor.remote(named, load_format="flattened_bucket"), 30)
+    assert get(local_actor.weights_fingerprint.remote(), 30) == weight_sync.fingerprint(trained)
+
+
 # ---- F5: push_cuda_ipc failing on one rank -----------------------------------------------------------
 
 def _push_cuda_ipc_rank(rank: int, port: int, result_path: str) -> None:

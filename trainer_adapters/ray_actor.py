@@ -279,13 +279,16 @@ class EngineActor:
                                                   empty_cache=empty_cache)
 
     def update_weights_from_tensor(self, named_tensors: Any, weight_version: str | None = None,
-                                   flush_cache: bool = True, check_finite: bool = False) -> Any:
+                                   flush_cache: bool = True, check_finite: bool = False,
+                                   load_format: str | None = None) -> Any:
         """``Engine.update_weights_from_tensor`` (SGLang's colocated call, what ``push_colocated`` sends):
-        load (name, tensor) pairs; ``flush_cache=True`` completes the update. Through Ray the tensors are
+        load (name, tensor) pairs; ``flush_cache=True`` completes the update. ``load_format`` is SGLang's
+        keyword (verl passes it): None or "direct", else ValueError. Through Ray the tensors are
         serialized into this actor's process, then shared with the engine (CUDA IPC on GPU, shared memory on
         CPU); through ``LocalActor`` they are shared as they are."""
         return self.engine.update_weights_from_tensor(named_tensors, weight_version=weight_version,
-                                                      flush_cache=flush_cache, check_finite=check_finite)
+                                                      flush_cache=flush_cache, check_finite=check_finite,
+                                                      load_format=load_format)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
