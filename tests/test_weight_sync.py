@@ -271,3 +271,48 @@ def test_fingerprint_of_a_tied_models_state_dict_counts_the_tied_head_once(tiny_
     same = {n: t.clone() for n, t in untied.state_dict().items()}
     same["lm_head.weight"] = same["model.embed_tokens.weight"].clone()  # equal values, two tensors: both count
     assert weight_sync.fingerprint(same) != weight_sync.fingerprint({n: t for n, t in same.items() if n != "lm_head.weight"})
+
+
+def _fsdp2_tied_state_dict_rank(rank: int, port: int, path: str, result_path: str) -> None:
+    from datetime import timedelta
+
+    import weight_sync
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        sd = model.state_dict()
+        result = {"dtensor": type(sd["lm_head.weight"]).__name__, "two_objects": sd["lm_head.weight"] is not
+                  sd["model.embed_tokens.weight"], "model": weight_sync.fingerprint(model),
+                  "state_dict": weight_sync.fingerprint(sd)}
+        torch.save(result, f"{result_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fingerprint_of_an_fsdp2_tied_models_state_dict_counts_the_tied_head_once(tiny_dir, tmp_path):
+    """An FSDP2 model's state_dict gives a tied lm_head.weight and the embedding as two DTensor objects over one
+    local shard; the fingerprint counted both (it cannot tell DTensors apart by storage), so it differed from the
+    model's (the engine's) although the weights were equal. Every rank now counts the head once, in step."""
+    import weight_sync
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_dir("llama", tie_word_embeddings=True)
+    out = str(tmp_path / "fp")
+    torch.multiprocessing.start_processes(_fsdp2_tied_state_dict_rank, args=(free_port(), path, out), nprocs=2,
+                                          start_method="spawn")
+    results = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    served = weight_sync.fingerprint(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    for r in results:
+        assert r["dtensor"] == "DTensor" and r["two_objects"]
+        assert r["model"] == served
+        assert r["state_dict"] == served

@@ -204,13 +204,24 @@ def _named_tensors(obj: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def _alias_key(t: Any) -> tuple | None:
-    """What makes two tensors the same elements (None when that cannot be told: no storage, e.g. a DTensor)."""
+    """What makes two tensors the same elements (None when that cannot be told: no storage). A DTensor (an FSDP2
+    ``state_dict`` gives a tied head and embedding as two DTensor objects over one local shard) is keyed by its
+    local shard, even an empty one (FSDP2 pads every rank's shard), its placements and its global shape, so every
+    rank counts the same tensors (each counted one is a ``full_tensor()`` collective)."""
     try:
-        if hasattr(t, "full_tensor") or t.is_meta or t.layout != torch.strided or t.numel() == 0:
-            return None
-        return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if hasattr(t, "full_tensor"):
+            local = _storage_key(t.to_local())
+            return None if local is None else ("dtensor", local, tuple(t.placements), tuple(t.shape))
+        return None if t.numel() == 0 else _storage_key(t)
     except (AttributeError, RuntimeError, NotImplementedError):
         return None
+
+
+def _storage_key(t: torch.Tensor) -> tuple | None:
+    """Where ``t``'s elements live: its storage, offset, shape, strides and dtype (None without a storage)."""
+    if t.is_meta or t.layout != torch.strided or t.untyped_storage().nbytes() == 0:
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def combine_fingerprint(parts_per_rank: list[list[tuple[str, Any, str, int, int]]],
