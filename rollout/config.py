@@ -184,7 +184,7 @@ def _with_architecture_defaults(raw: dict[str, Any]) -> dict[str, Any]:
     context, the rope theta: Mixtral's 1e-5 and 1e6, Llama's 1e-6 and 1e4) filled in from transformers'
     config class for its ``model_type``, as transformers reads it. Configs that transformers wrote carry
     them all, and then transformers is not imported."""
-    rope = raw.get("rope_parameters") or {}
+    rope = _rope_dict(raw)
     if all(k in raw for k in _DEFAULTED_KEYS) and ("rope_theta" in raw or "rope_theta" in rope):
         return raw
     CONFIG_MAPPING = import_transformers().CONFIG_MAPPING
@@ -200,11 +200,17 @@ def _with_architecture_defaults(raw: dict[str, Any]) -> dict[str, Any]:
     return {**raw, **filled}
 
 
+def _rope_dict(raw: dict[str, Any]) -> dict[str, Any]:
+    """The config's rope dict as transformers 5 reads it (``convert_rope_params_to_dict``): a ``rope_scaling``
+    (4.x's key, or one added to a 5.x config as Qwen's YaRN instructions say) replaces ``rope_parameters``
+    whole, the ``rope_theta`` in it included."""
+    return raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+
+
 def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
-    """Normalize transformers 4.x (``rope_theta`` + ``rope_scaling``) and 5.x (``rope_parameters``)."""
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = raw.get("rope_scaling") or {}
-    params.update({k: v for k, v in scaling.items() if k not in params})
+    """Normalize transformers 4.x (``rope_theta`` + ``rope_scaling``) and 5.x (``rope_parameters``): the dict of
+    ``_rope_dict``, its ``rope_theta`` else the config's, and its ``rope_type``."""
+    params = dict(_rope_dict(raw))
     if "rope_theta" not in params:
         params["rope_theta"] = raw.get("rope_theta", 10000.0)
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"

@@ -81,3 +81,55 @@ def test_keys_a_config_leaves_out_take_the_architectures_defaults(model_type):
     theta = getattr(hf, "rope_theta", None) or hf.rope_parameters["rope_theta"]
     assert (cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.rope["rope_theta"]) == (
         hf.rms_norm_eps, hf.max_position_embeddings, theta)
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def test_rope_scaling_added_to_a_transformers_5_config_is_applied(tmp_path, hf_reference):
+    """A transformers 5 config.json (``rope_parameters``) given a ``rope_scaling`` as Qwen's YaRN instructions
+    say: transformers takes the ``rope_scaling`` whole (its default theta too, not the ``rope_parameters``' one);
+    the engine ran the unscaled rope instead, without a word. Greedy ids and logprobs past the original context."""
+    import json
+
+    from tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(str(tmp_path / "yarn"), "qwen3", rope_parameters={"rope_type": "default",
+                                                                                  "rope_theta": 1e6})
+    with open(f"{path}/config.json") as f:
+        raw = json.load(f)
+    with open(f"{path}/config.json", "w") as f:
+        json.dump({**raw, "rope_scaling": YARN}, f)
+    prompts = prompts_of_lengths([70, 5], seed=2)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, logprobs=0)
+    with Engine(path, dtype="float32", device="cpu") as engine:
+        outs = engine.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
+    hf = hf_reference(path)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf.greedy(prompt, 6)
+        ref = hf.logprobs(prompt, out.outputs[0].token_ids)
+        assert max(abs(a - b) for a, b in zip(out.outputs[0].token_logprobs, ref)) < 1e-4
+
+
+@pytest.mark.parametrize("keys", [
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_scaling": YARN},
+    {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+     "rope_scaling": {"type": "default"}},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 300.0,
+     "rope_scaling": {"type": "linear", "factor": 2.0}},
+    {"rope_theta": 300.0, "rope_scaling": {"type": "linear", "factor": 2.0}},
+], ids=["yarn-added", "default-added", "linear-added-with-theta", "transformers-4"])
+@pytest.mark.parametrize("model_type", ["llama", "mixtral"])
+def test_rope_keys_read_as_transformers_reads_them(model_type, keys):
+    """The rope type and theta from ``rope_parameters``, ``rope_scaling`` and ``rope_theta`` together, as
+    transformers' config reads them (Mixtral: its own default theta)."""
+    from transformers import CONFIG_MAPPING
+
+    from rollout.config import ModelConfig
+
+    raw = {k: v for k, v in CONFIG_MAPPING[model_type]().to_dict().items() if k != "rope_parameters"}
+    raw.update(keys)
+    want = CONFIG_MAPPING[model_type](**raw).rope_parameters
+    got = ModelConfig.from_dict(raw).rope
+    assert (got["rope_type"], got["rope_theta"], got.get("factor")) == (
+        want["rope_type"], want["rope_theta"], want.get("factor"))
