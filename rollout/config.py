@@ -70,7 +70,10 @@ class ModelConfig:
         path = os.path.join(model_path, "config.json")
         if not os.path.isfile(path):
             raise ValueError(f"no config.json in model path {model_path!r}")
-        return cls.from_dict(read_json_object(path), _read_generation_eos(model_path))
+        raw = read_json_object(path)
+        if not (raw.get("torch_dtype") or raw.get("dtype")):
+            raw = {**raw, "torch_dtype": _weights_dtype(model_path)}
+        return cls.from_dict(raw, _read_generation_eos(model_path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], extra_eos: tuple[int, ...] = ()) -> "ModelConfig":
@@ -215,6 +218,19 @@ def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
         params["rope_theta"] = raw.get("rope_theta", 10000.0)
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     return params
+
+
+def _weights_dtype(model_path: str) -> str | None:
+    """The dtype transformers loads a checkpoint whose config.json names none in (``get_state_dict_dtype``): its
+    first floating tensor's, float8 left out (bfloat16 weights run in bfloat16, not float32); None without
+    safetensors weights."""
+    from rollout.models.loader import read_safetensors_shapes
+
+    try:
+        dtypes = [dtype for dtype, _ in read_safetensors_shapes(model_path).values()]
+    except ValueError:  # no weights (load_format="dummy")
+        return None
+    return next((d for d in dtypes if d in ("float32", "bfloat16", "float16", "float64")), None)
 
 
 def _read_generation_eos(model_path: str) -> tuple[int, ...]:

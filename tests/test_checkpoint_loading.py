@@ -102,3 +102,31 @@ def test_rope_types_the_engine_cannot_serve_exactly_are_refused(rope, tmp_path):
     cfg = ModelConfig.from_path(path)
     with pytest.raises(ValueError, match="depends on the sequence length|partial rotary factor"):
         rope_inv_freq(cfg.raw, cfg.rope, cfg.head_dim)
+
+
+def test_a_config_naming_no_dtype_runs_in_its_weights_dtype(tmp_path):
+    """A config.json without ``torch_dtype`` / ``dtype`` (hand-written, converted): transformers loads it in its
+    weights' dtype (``dtype="auto"``, its default); the engine's "auto" ran such a bfloat16 checkpoint in
+    float32, and its prompt logprobs differed from transformers' by bfloat16's error."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from rollout.config import EngineConfig, resolve_torch_dtype
+
+    path = make_tiny_checkpoint(str(tmp_path / "bf16"), "llama", dtype=torch.bfloat16)
+    with open(f"{path}/config.json") as f:
+        raw = {k: v for k, v in json.load(f).items() if k not in ("dtype", "torch_dtype")}
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(raw, f)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert resolve_torch_dtype(EngineConfig(path), ModelConfig.from_path(path)) == hf.dtype == torch.bfloat16
+    prompt = PROMPTS[1]
+    with Engine(path, device="cpu") as engine:
+        out = engine.generate(prompt_token_ids=[prompt], use_tqdm=False,
+                              sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    ref = [lp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    got = [out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))]
+    assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-3
