@@ -105,7 +105,7 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qkv_bias=arch == "Qwen2ForCausalLM",  # transformers' Qwen2 always has them, whatever attention_bias says
             qk_norm=arch in _QK_NORM_ARCHITECTURES,
             hidden_act=act,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
@@ -147,8 +147,8 @@ def _moe_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
 
 def _check_biases(arch: str, raw: dict[str, Any]) -> None:
     """ValueError for projection biases the models here do not have: ``mlp_bias``, and ``attention_bias``
-    outside Qwen2 (where transformers' attention_bias also puts one on o_proj; Qwen2's q/k/v biases are
-    served)."""
+    outside Qwen2 (where transformers' attention_bias would also put one on o_proj). Qwen2 ignores the flag:
+    its q/k/v always have biases, which are served, and its o_proj never has one."""
     if raw.get("mlp_bias"):
         raise ValueError("mlp_bias=true (biases on the MLP projections) is not supported")
     if raw.get("attention_bias") and arch != "Qwen2ForCausalLM":

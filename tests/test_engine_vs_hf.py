@@ -66,6 +66,30 @@ def test_projection_biases_the_engine_lacks_are_refused_by_name(model_type, flag
         ModelConfig.from_dict(CONFIG_MAPPING[model_type](**flags).to_dict())
 
 
+def test_qwen2_q_k_v_biases_whatever_attention_bias_says(tmp_path, hf_reference):
+    """transformers' Qwen2 gives q/k/v_proj biases (and o_proj none) whatever ``attention_bias`` says; a Qwen2
+    config.json with ``attention_bias: false`` (written by a converter) was refused at load, its
+    ``k_proj.bias`` an unknown parameter."""
+    import json
+
+    from tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(str(tmp_path / "qwen2"), "qwen2")
+    with open(f"{path}/config.json") as f:
+        raw = json.load(f)
+    with open(f"{path}/config.json", "w") as f:
+        json.dump({**raw, "attention_bias": False}, f)
+    prompts = prompts_of_lengths([9, 4], seed=3)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, logprobs=0)
+    with Engine(path, dtype="float32", device="cpu") as engine:
+        outs = engine.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
+    hf = hf_reference(path)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf.greedy(prompt, 6)
+        ref = hf.logprobs(prompt, out.outputs[0].token_ids)
+        assert max(abs(a - b) for a, b in zip(out.outputs[0].token_logprobs, ref)) < 1e-4
+
+
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
 def test_keys_a_config_leaves_out_take_the_architectures_defaults(model_type):
     """A config.json without its norm epsilon, context or rope theta reads as transformers reads it: with its
