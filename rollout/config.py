@@ -87,9 +87,9 @@ class ModelConfig:
         act = raw.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
-        window = _sliding_window(arch, raw)
         _check_biases(arch, raw)
-        raw = _with_architecture_defaults(raw)
+        raw = _with_architecture_defaults(arch, raw)
+        window = _sliding_window(arch, raw)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
         eos_ids = tuple(dict.fromkeys(eos_ids + tuple(extra_eos)))
@@ -155,13 +155,16 @@ def _check_biases(arch: str, raw: dict[str, Any]) -> None:
         raise ValueError(f"attention_bias=true (biases on q/k/v/o_proj) is not supported for {arch}")
 
 
+def _windowed(arch: str, raw: dict[str, Any]) -> bool:
+    """Whether transformers applies the config's ``sliding_window``: always for Mistral and Mixtral, for Qwen only
+    with ``use_sliding_window`` (default False, so a Qwen config carrying a window attends fully), never for Llama."""
+    return arch in _WINDOWED_ARCHITECTURES or (arch in _SWITCHED_WINDOW_ARCHITECTURES
+                                               and raw.get("use_sliding_window", False))
+
+
 def _sliding_window(arch: str, raw: dict[str, Any]) -> int | None:
-    """The attention window as transformers applies it: Mistral's and Mixtral's ``sliding_window``; Qwen's only
-    with ``use_sliding_window`` (default False, so a Qwen config carrying a window attends fully); Llama none."""
-    if arch in _WINDOWED_ARCHITECTURES or (arch in _SWITCHED_WINDOW_ARCHITECTURES
-                                           and raw.get("use_sliding_window", False)):
-        return raw.get("sliding_window")
-    return None
+    """The attention window as transformers applies it (``_windowed``), or None."""
+    return raw.get("sliding_window") if _windowed(arch, raw) else None
 
 
 def _arch_from_model_type(model_type: str) -> str:
@@ -170,7 +173,7 @@ def _arch_from_model_type(model_type: str) -> str:
             "mixtral": "MixtralForCausalLM"}.get(model_type, model_type or "<missing>")
 
 
-_DEFAULTED_KEYS = ("rms_norm_eps", "max_position_embeddings")
+_DEFAULTED_KEYS = ("rms_norm_eps", "max_position_embeddings", "num_key_value_heads")
 _TRANSFORMERS_IMPORT = threading.Lock()
 
 
@@ -182,22 +185,26 @@ def import_transformers() -> Any:
         return importlib.import_module("transformers")
 
 
-def _with_architecture_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+def _with_architecture_defaults(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
     """``raw`` with the keys a config.json may leave out that differ by architecture (the norm epsilon, the
-    context, the rope theta: Mixtral's 1e-5 and 1e6, Llama's 1e-6 and 1e4) filled in from transformers'
-    config class for its ``model_type``, as transformers reads it. Configs that transformers wrote carry
-    them all, and then transformers is not imported."""
+    context, the rope theta: Mixtral's 1e-5 and 1e6, Llama's 1e-6 and 1e4; the KV heads: Llama's as many as
+    its attention heads, Mistral's 8; where a window applies (``_windowed``), ``sliding_window``: Mistral's
+    4096) filled in with the values transformers' config class for its ``model_type`` gives this config, as
+    transformers reads it. Configs that transformers wrote carry them all, and then transformers is not
+    imported."""
+    keys = _DEFAULTED_KEYS + (("sliding_window",) if _windowed(arch, raw) else ())
     rope = _rope_dict(raw)
-    if all(k in raw for k in _DEFAULTED_KEYS) and ("rope_theta" in raw or "rope_theta" in rope):
+    if all(k in raw for k in keys) and ("rope_theta" in raw or "rope_theta" in rope):
         return raw
     CONFIG_MAPPING = import_transformers().CONFIG_MAPPING
 
     model_type = raw.get("model_type")
     if model_type not in CONFIG_MAPPING:
         return raw
-    defaults = CONFIG_MAPPING[model_type]().to_dict()
-    filled = {k: defaults[k] for k in _DEFAULTED_KEYS if k not in raw and k in defaults}
-    theta = defaults.get("rope_theta", (defaults.get("rope_parameters") or {}).get("rope_theta"))
+    hf = CONFIG_MAPPING[model_type](**{k: v for k, v in raw.items()
+                                       if k not in ("architectures", "transformers_version")})
+    filled = {k: getattr(hf, k) for k in keys if k not in raw and hasattr(hf, k)}
+    theta = (hf.rope_parameters or {}).get("rope_theta")
     if "rope_theta" not in raw and "rope_theta" not in rope and theta is not None:
         filled["rope_theta"] = theta
     return {**raw, **filled}

@@ -157,3 +157,23 @@ def test_rope_keys_read_as_transformers_reads_them(model_type, keys):
     got = ModelConfig.from_dict(raw).rope
     assert (got["rope_type"], got["rope_theta"], got.get("factor")) == (
         want["rope_type"], want["rope_theta"], want.get("factor"))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+def test_kv_heads_and_window_a_config_leaves_out_read_as_transformers_reads_them(model_type):
+    """A config.json without ``num_key_value_heads`` or ``sliding_window``: transformers gives Llama as many KV
+    heads as attention heads but the others their class's default (Mistral's 8, Qwen3's 32), and Mistral (or a
+    Qwen with ``use_sliding_window``) its 4096-token window. The engine took the attention heads (refusing at
+    load a checkpoint transformers loads) and no window (attending past 4096 tokens where transformers' window
+    cuts, without a word)."""
+    from transformers import CONFIG_MAPPING
+
+    from rollout.config import ModelConfig
+
+    raw = CONFIG_MAPPING[model_type](hidden_size=64, num_attention_heads=4, use_sliding_window=True).to_dict()
+    for key in ("num_key_value_heads", "sliding_window"):
+        raw.pop(key, None)
+    hf = CONFIG_MAPPING[model_type](**raw)
+    cfg = ModelConfig.from_dict(raw)
+    window = None if model_type == "llama" else hf.sliding_window
+    assert (cfg.num_kv_heads, cfg.sliding_window) == (hf.num_key_value_heads, window)
