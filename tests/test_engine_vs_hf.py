@@ -70,16 +70,26 @@ def test_qwen2_q_k_v_biases_whatever_attention_bias_says(tmp_path, hf_reference)
     """transformers' Qwen2 gives q/k/v_proj biases (and o_proj none) whatever ``attention_bias`` says; a Qwen2
     config.json with ``attention_bias: false`` (written by a converter) was refused at load, its
     ``k_proj.bias`` an unknown parameter."""
-    import json
-
     from tiny_models import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(str(tmp_path / "qwen2"), "qwen2")
+    _edit_config(path, attention_bias=False)
+    _check_greedy_against_transformers(path, hf_reference, [9, 4], seed=3)
+
+
+def _edit_config(path: str, **changes) -> None:
+    """Rewrite ``path``'s config.json with ``changes`` over it."""
+    import json
+
     with open(f"{path}/config.json") as f:
         raw = json.load(f)
     with open(f"{path}/config.json", "w") as f:
-        json.dump({**raw, "attention_bias": False}, f)
-    prompts = prompts_of_lengths([9, 4], seed=3)
+        json.dump({**raw, **changes}, f)
+
+
+def _check_greedy_against_transformers(path: str, hf_reference, lengths: list[int], seed: int) -> None:
+    """Six greedy tokens of prompts of ``lengths`` equal transformers' ids, logprobs within 1e-4."""
+    prompts = prompts_of_lengths(lengths, seed=seed)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, logprobs=0)
     with Engine(path, dtype="float32", device="cpu") as engine:
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
@@ -114,25 +124,12 @@ def test_rope_scaling_added_to_a_transformers_5_config_is_applied(tmp_path, hf_r
     """A transformers 5 config.json (``rope_parameters``) given a ``rope_scaling`` as Qwen's YaRN instructions
     say: transformers takes the ``rope_scaling`` whole (its default theta too, not the ``rope_parameters``' one);
     the engine ran the unscaled rope instead, without a word. Greedy ids and logprobs past the original context."""
-    import json
-
     from tiny_models import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(str(tmp_path / "yarn"), "qwen3", rope_parameters={"rope_type": "default",
                                                                                   "rope_theta": 1e6})
-    with open(f"{path}/config.json") as f:
-        raw = json.load(f)
-    with open(f"{path}/config.json", "w") as f:
-        json.dump({**raw, "rope_scaling": YARN}, f)
-    prompts = prompts_of_lengths([70, 5], seed=2)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, logprobs=0)
-    with Engine(path, dtype="float32", device="cpu") as engine:
-        outs = engine.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
-    hf = hf_reference(path)
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf.greedy(prompt, 6)
-        ref = hf.logprobs(prompt, out.outputs[0].token_ids)
-        assert max(abs(a - b) for a, b in zip(out.outputs[0].token_logprobs, ref)) < 1e-4
+    _edit_config(path, rope_scaling=YARN)
+    _check_greedy_against_transformers(path, hf_reference, [70, 5], seed=2)
 
 
 @pytest.mark.parametrize("keys", [
