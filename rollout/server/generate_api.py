@@ -27,7 +27,8 @@ from rollout.engine_inputs import check_unicode
 from rollout.outputs import CompletionOutput, RequestOutput, routed_experts_to_base64
 from rollout.server.errors import APIError
 from rollout.server.protocol import ChatTemplateFields, DetokenizeRequest, GenerateRequest, TokenizeRequest
-from rollout.server.serving import GenJob, StreamJob, event_error, open_stream, request_ids, run_job, sampling_params
+from rollout.server.serving import (GenJob, StreamJob, check_model, event_error, open_stream, request_ids, run_job,
+                                    sampling_params)
 from rollout.server.state import ServerState
 from rollout.server.streaming import DONE, ClientGone, sse
 
@@ -59,6 +60,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     state = _state(request)
     tokenizer = state.require_tokenizer()
+    check_model(state, body.model)
     engine = state.engine
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "pass exactly one of 'prompt' and 'messages'", "prompt")
@@ -90,6 +92,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     state = _state(request)
     tokenizer = state.require_tokenizer()
+    check_model(state, body.model)
     vocab = state.engine.model_config.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:

@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, Response
 from rollout.sampling_params import SamplingParams
 from rollout.server.errors import APIError
 from rollout.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAICommon
-from rollout.server.serving import GenJob, StreamJob, event_error, open_stream, request_ids, run_job, sampling_params
+from rollout.server.serving import (GenJob, StreamJob, check_model, event_error, open_stream, request_ids, run_job,
+                                    sampling_params)
 from rollout.server.openai_view import OpenAIView
 from rollout.server.state import ServerState
 from rollout.server.streaming import DONE, ClientGone, sse
@@ -130,9 +131,7 @@ async def _events(sj: StreamJob, view: OpenAIView, include_usage: bool) -> Async
 
 
 def _check_common(state: ServerState, body: OpenAICommon) -> None:
-    if body.model not in (None, state.args.model_name, state.args.model_path):
-        raise APIError(404, f"the model {body.model!r} does not exist; this server serves {state.args.model_name!r}",
-                       "model")
+    check_model(state, body.model)
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", "logit_bias")
     if body.stream_options is not None and not body.stream:  # vLLM's check and message

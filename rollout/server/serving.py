@@ -82,6 +82,14 @@ def request_ids(prefix: str, count: int, given: str | list[str] | None = None) -
     return ids
 
 
+def check_model(state: ServerState, model: str | None) -> None:
+    """404 for a ``model`` this server does not serve (None, the served name and the path are served), as vLLM
+    answers its OpenAI and tokenizer endpoints."""
+    if model not in (None, state.args.model_name, state.args.model_path):
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {state.args.model_name!r}",
+                       "model")
+
+
 def sampling_params(values: dict[str, Any], param: str = "sampling_params") -> SamplingParams:
     """SamplingParams from a dict of vLLM/SGLang names; a bad one is a 400 naming the field."""
     try:

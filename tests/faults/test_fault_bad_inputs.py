@@ -139,6 +139,8 @@ HTTP_BAD = [
     ("POST", "/generate", {"input_ids": [5, 6], "sampling_params": {"stop": 9}}, 400, "stop must be"),
     ("POST", "/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400, "exactly one"),
     ("POST", "/detokenize", {"tokens": [10**6]}, 400, "out of vocabulary"),
+    ("POST", "/tokenize", {"model": "no-such-model", "prompt": "x"}, 404, "does not exist"),  # as vLLM's
+    ("POST", "/detokenize", {"model": "no-such-model", "tokens": [5]}, 404, "does not exist"),
     ("POST", "/abort_request", {"rid": 5}, 400, "'rid'"),
     ("POST", "/update_weights_from_distributed", {"names": [NAME], "dtypes": ["float32"], "shapes": [[-1]]}, 400,
      "non-negative ints"),
