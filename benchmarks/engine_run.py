@@ -47,6 +47,16 @@ def _timing(batch_size: int, entry: dict[str, Any]) -> StepTiming:
     return StepTiming(batch_size, steps, 1000.0 * entry["seconds"] / steps, entry["kv_tokens"] / steps)
 
 
+CUMULATIVE_COUNTS = ("mixed_steps", "retractions", "cascade_steps", "cascade_rows", "gen_tokens", "prefill_tokens")
+
+
+def counts_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """``after``, an ``Engine.get_step_stats(reset=True)`` read, with the counts a reset does not zero
+    (``CUMULATIVE_COUNTS``: mixed steps, retractions, ...) taken since the ``before`` read, so that they
+    cover the same steps as its reset timings (not the warm-up's)."""
+    return {**after, **{k: after[k] - before.get(k, 0) for k in CUMULATIVE_COUNTS if k in after}}
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine keyword options from the flags; presets skip the tokenizer (no detokenizer process)."""
     opts: dict[str, Any] = {"seed": args.seed, "skip_tokenizer_init": bool(args.preset),
@@ -79,14 +89,15 @@ def run_engine(args: argparse.Namespace, model_path: str, device: str, dtype: st
             raise ValueError(f"a request needs {longest} tokens but the engine's context is {engine.context_len}")
         if args.warmup:
             _engine_warmup(engine, work, args)
-        launched = engine.get_step_stats(reset=True)["launched_steps"]
+        before = engine.get_step_stats(reset=True)
+        launched = before["launched_steps"]
         if args.profile:
             trace = start_profile(engine, args, launched)
         params = [_sampling(n, args.temperature) for n in work.output_lens]
         start = time.perf_counter()
         outs = engine.generate(prompt_token_ids=work.prompts, sampling_params=params, use_tqdm=True)
         elapsed = time.perf_counter() - start
-        stats = engine.get_step_stats(reset=True)
+        stats = counts_since(before, engine.get_step_stats(reset=True))
         if args.profile:
             report_profile(engine, trace, stats["launched_steps"] - launched)
         produced = sum(len(c.token_ids) for o in outs for c in o.outputs)

@@ -87,6 +87,16 @@ def test_bench_tiny_random_range_greedy(preset_root, tmp_path):
     assert report["workload"]["random_range"] == [4, 20] and report["decode_batch1"] is None
 
 
+def test_bench_counts_mixed_steps_of_the_timed_run_only(preset_root, tmp_path, capsys):
+    """The report's mixed steps and retractions cover the timed run, as its prefill steps do: the engine's
+    counters of them are not reset by ``get_step_stats(reset=True)``, and the warm-up mixes steps too."""
+    report = _run(["--preset", "tiny", "--preset-dir", preset_root, "--num-prompts", "8", "--input-len", "16",
+                   "--output-len", "8", "--enable-mixed-chunk", "--max-prefill-tokens", "16"], tmp_path / "out.json")
+    prefill = report["prefill"]
+    assert 0 < report["mixed_steps"] <= prefill["steps"]  # a mixed step is a prefill step
+    assert f"in {prefill['steps']} steps" in capsys.readouterr().out
+
+
 def test_run_decode_floor_counts_every_step_of_the_schedule():
     mb = ModelBytes(weight_bytes=500, weight_bytes_read=100, kv_bytes_per_token=10)
     # two slots: step 1 reads both requests' KV (3 + 4 tokens), step 2 only the first's (4); 1000 B/s
