@@ -130,8 +130,10 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("need 1 <= --min-len <= --max-len")
     if args.temperature < 0 or args.batch1_steps < 0:
         p.error("--temperature and --batch1-steps must be >= 0")
-    if args.workload == "grpo" and (args.n < 1 or args.rl_steps < 0 or args.output_sigma < 0 or args.hf_baseline):
-        p.error("--workload grpo needs --n >= 1, --rl-steps >= 0, --output-sigma >= 0 and no --hf-baseline")
+    if args.workload == "grpo" and (args.n < 1 or args.rl_steps < 0 or args.output_sigma < 0 or args.hf_baseline
+                                    or (args.output_median is not None and args.output_median < 1)):
+        p.error("--workload grpo needs --n >= 1, --rl-steps >= 0, --output-median >= 1, --output-sigma >= 0 and "
+                "no --hf-baseline")
     if (args.rl_sync != "tensor" or args.trainer_device) and not (args.workload == "grpo" and args.rl_steps):
         p.error("--rl-sync and --trainer-device apply to --workload grpo --rl-steps K only")
     if args.profile and (args.rl_steps or args.profile_start_step < 0 or args.profile_num_steps < 1):

@@ -364,6 +364,17 @@ def test_rl_sync_options_are_checked(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("median", ["0", "-5"])
+def test_grpo_output_median_below_one_is_refused(median, capsys):
+    """``--output-median 0`` used to fall back to the default median (cap / 4) without a word, and a negative
+    one ended in a math domain error once the engine's model was resolved."""
+    from benchmarks.bench import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--preset", "tiny", "--workload", "grpo", "--output-median", median])
+    assert "--output-median >= 1" in capsys.readouterr().err
+
+
 def test_grpo_distributed_trainer_failure_is_reported_and_the_trainer_ends(tmp_path, monkeypatch):
     """A trainer that cannot start (a CUDA device on a machine without one) fails the bench with its error;
     its process does not outlive the failure. The placement refuses such a device up front, before anything
