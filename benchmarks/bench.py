@@ -134,6 +134,10 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                                     or (args.output_median is not None and args.output_median < 1)):
         p.error("--workload grpo needs --n >= 1, --rl-steps >= 0, --output-median >= 1, --output-sigma >= 0 and "
                 "no --hf-baseline")
+    if args.workload != "grpo" and (args.rl_steps or args.output_median is not None):
+        p.error("--rl-steps and --output-median apply to --workload grpo only")
+    if args.workload == "grpo" and (args.batch1_steps or not args.warmup):
+        p.error("--workload grpo always warms up and has no batch-1 probe: no --batch1-steps or --no-warmup")
     if (args.rl_sync != "tensor" or args.trainer_device) and not (args.workload == "grpo" and args.rl_steps):
         p.error("--rl-sync and --trainer-device apply to --workload grpo --rl-steps K only")
     if args.profile and (args.rl_steps or args.profile_start_step < 0 or args.profile_num_steps < 1):

@@ -375,6 +375,22 @@ def test_grpo_output_median_below_one_is_refused(median, capsys):
     assert "--output-median >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--rl-steps", "3"], "--rl-steps and --output-median apply to --workload grpo only"),
+    (["--output-median", "64"], "--rl-steps and --output-median apply to --workload grpo only"),
+    (["--workload", "grpo", "--batch1-steps", "8"], "no --batch1-steps or --no-warmup"),
+    (["--workload", "grpo", "--no-warmup"], "no --batch1-steps or --no-warmup"),
+])
+def test_flags_of_the_other_workload_are_refused(argv, message, capsys):
+    """A flag the chosen workload ignores is an error: ``--rl-steps 3`` without ``--workload grpo`` ran the
+    fixed-length bench and printed its tok/s as if the RL steps had been measured."""
+    from benchmarks.bench import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--preset", "tiny"] + argv)
+    assert message in capsys.readouterr().err
+
+
 def test_grpo_distributed_trainer_failure_is_reported_and_the_trainer_ends(tmp_path, monkeypatch):
     """A trainer that cannot start (a CUDA device on a machine without one) fails the bench with its error;
     its process does not outlive the failure. The placement refuses such a device up front, before anything
