@@ -93,7 +93,9 @@ class LoadSampler:
             self.samples.append((time.perf_counter(), load["running"], load["waiting"]))
 
     def tail_s(self, start: float, end: float) -> float:
-        points = [(t, r, w) for t, r, w in self.samples if start <= t <= end]
+        """Seconds of [start, end] in the tail: each sample's load holds until the next sample, the last
+        one's until ``end`` (the batch's work was left until then)."""
+        points = [(t, r, w) for t, r, w in self.samples if start <= t <= end] + [(end, 0, 0)]
         return sum(t1 - t0 for (t0, r, w), (t1, _, _) in zip(points, points[1:])
                    if r + w > 0 and r < self.slots / 4)
 

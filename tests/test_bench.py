@@ -430,6 +430,18 @@ def test_grpo_distributed_trainer_needs_a_gpu_of_its_own(device, tp, visible, ex
         assert distributed_placement(device, tp).device == expected
 
 
+def test_tail_counts_the_time_after_the_last_load_sample():
+    """8 slots, samples every 20 ms: fewer than 2 running from the sample at 20 ms until the batch ends at
+    50 ms is 30 ms of tail; the 10 ms after the last sample were dropped (20 ms)."""
+    from benchmarks.grpo import LoadSampler
+
+    load = LoadSampler(engine=None, slots=8)
+    load.samples = [(0.0, 10, 0), (0.02, 1, 0), (0.04, 1, 0), (0.06, 0, 0)]
+    assert load.tail_s(0.0, 0.05) == pytest.approx(0.03)
+    assert load.tail_s(0.0, 0.01) == 0  # a full engine until the end
+    assert load.tail_s(0.045, 0.05) == 0  # no sample inside: nothing known
+
+
 def test_in_flight_push_waits_for_the_tail_of_a_batch_smaller_than_the_slots():
     """1,024 slots, a batch of 16 requests: the push waits until fewer than a quarter of the batch (4) is left,
     not until fewer than a quarter of the slots (256), which would be right away."""
