@@ -14,10 +14,12 @@ draining every request before the push and once applying the push in flight.
   ``update_weights_from_tensor`` (CUDA IPC on a GPU, shared memory on the CPU), ``--rl-sync distributed`` from
   a trainer process on another device that broadcasts buckets (``benchmarks/grpo_trainer.py``). **drain**:
   the push waits until the batch has finished. **in flight** (``update_weights_in_flight``): when the batch
-  enters its tail (fewer than a quarter of the slots busy) the next batch is submitted and the push lands at
-  the next step boundary; the tail finishes on the new weights (its later tokens are tagged with the new
-  version). Each step is split into rollout (until the push starts), sync (the push) and tail time; after
-  each loop the engine's weight fingerprint is compared with the trainer's.
+  enters its tail (fewer than a quarter of its requests left, or of the slots when the batch has more) the
+  push lands at the next step boundary and the next batch is submitted; the tail finishes on the new weights
+  (its later tokens are tagged with the new version). Each step reports its rollout time (from the batch's
+  submission to its last request's end: in flight it overlaps the push and the next batch), the tail within
+  that time, and sync (the push); after each loop the engine's weight fingerprint is compared with the
+  trainer's.
 """
 
 from __future__ import annotations
