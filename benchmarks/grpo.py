@@ -39,9 +39,14 @@ class GrpoBatch:
     output_lens: list[int]
 
 
+def output_median(args: argparse.Namespace) -> int:
+    """The median of the output lengths: ``--output-median``, or by default a quarter of the cap (at least 1)."""
+    return args.output_median or max(1, args.output_len // 4)
+
+
 def make_grpo_batch(args: argparse.Namespace, vocab: int, seed: int) -> GrpoBatch:
     rng = random.Random(seed)
-    median = args.output_median or max(1, args.output_len // 4)
+    median = output_median(args)
     prompts, outs = [], []
     for _ in range(args.num_prompts):
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
@@ -193,9 +198,9 @@ def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str,
 
     vocab = ModelConfig.from_path(model_path).vocab_size
     batches = [make_grpo_batch(args, vocab, args.seed + 101 * i) for i in range(max(1, args.rl_steps))]
-    report: dict[str, Any] = {"workload": {k: getattr(args, k) for k in (
-        "num_prompts", "n", "min_len", "max_len", "output_len", "output_median", "output_sigma", "rl_steps",
-        "rl_sync", "temperature", "seed")}}
+    report: dict[str, Any] = {"workload": {**{k: getattr(args, k) for k in (
+        "num_prompts", "n", "min_len", "max_len", "output_len", "output_sigma", "rl_steps", "rl_sync",
+        "temperature", "seed")}, "output_median": output_median(args)}}  # the median used, default or not
     modes = [("rollout", False)] if not args.rl_steps else [("drain", False), ("in_flight", True)]
     for name, in_flight in modes:
         with Engine(model_path, tp_size=args.tp_size, dtype=dtype, device=device, update_weights_in_flight=in_flight,
@@ -261,7 +266,7 @@ def warmup_batch(args: argparse.Namespace, vocab: int, seed: int) -> GrpoBatch:
 def format_grpo(report: dict[str, Any]) -> str:
     w = report["workload"]
     lines = [f"GRPO workload: {w['num_prompts']} prompts x {w['n']} samples, prompts {w['min_len']}-{w['max_len']} "
-             f"tokens, outputs lognormal (median {w['output_median'] or w['output_len'] // 4}, sigma "
+             f"tokens, outputs lognormal (median {w['output_median']}, sigma "
              f"{w['output_sigma']}) capped at {w['output_len']}, temperature {w['temperature']}"]
     if "rollout" in report:
         s = report["rollout"]["total"]

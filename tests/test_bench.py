@@ -304,6 +304,26 @@ def test_grpo_workload_and_rl_steps_drained_and_in_flight(tmp_path, capsys):
         [sum(s["output_tokens"] for s in report["drain"]["steps"])] * 2
 
 
+def test_grpo_rollout_reports_the_median_it_used(preset_root, tmp_path, capsys):
+    """One GRPO rollout: the JSON and the table give the output median the workload was drawn with (the default,
+    a quarter of the cap and at least 1; the JSON had null, the table 3 // 4 = 0), and the output tokens are
+    the workload's capped lengths."""
+    import argparse
+
+    from benchmarks.grpo import make_grpo_batch
+
+    argv = ["--preset", "tiny", "--preset-dir", preset_root, "--workload", "grpo", "--num-prompts", "2", "--n", "3",
+            "--min-len", "8", "--max-len", "12", "--output-len", "3", "--seed", "5"]
+    report = _run(argv, tmp_path / "out.json")
+    assert report["workload"]["output_median"] == 1
+    assert "outputs lognormal (median 1, sigma 1.0) capped at 3" in capsys.readouterr().out
+    work = make_grpo_batch(argparse.Namespace(num_prompts=2, n=3, min_len=8, max_len=12, output_len=3,
+                                              output_median=None, output_sigma=1.0), 1024, 5)
+    total = report["rollout"]["total"]
+    assert total["requests"] == 6 and total["output_tokens"] == sum(work.output_lens)
+    assert total["output_tok_s"] == pytest.approx(total["output_tokens"] / total["makespan_s"])
+
+
 def test_grpo_rl_steps_with_a_distributed_trainer(tmp_path, capsys):
     """``--rl-sync distributed``: a trainer process (CPU, gloo) joins the engine's weight-update group and
     broadcasts each push in buckets; drained, every step samples from one new version, in flight the first
