@@ -79,14 +79,20 @@ def _sampling(output_len: int, temperature: float):
     return SamplingParams(max_new_tokens=output_len, temperature=temperature, ignore_eos=True)
 
 
+def check_context(engine: Any, prompts: list[list[int]], output_lens: list[int]) -> None:
+    """Raise when a request's prompt and output lengths exceed the engine's context: the engine would end it
+    at the context, and the run would time fewer output tokens than the workload asks for."""
+    longest = max(len(p) + n for p, n in zip(prompts, output_lens))
+    if longest > engine.context_len:
+        raise ValueError(f"a request needs {longest} tokens but the engine's context is {engine.context_len}")
+
+
 def run_engine(args: argparse.Namespace, model_path: str, device: str, dtype: str, work: Workload) -> EngineRun:
     """Start the engine, warm up, time one ``generate`` over the workload, then the batch-1 probe."""
     from rollout.engine import Engine
 
     with Engine(model_path, tp_size=args.tp_size, dtype=dtype, device=device, **engine_options(args)) as engine:
-        longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens))
-        if longest > engine.context_len:
-            raise ValueError(f"a request needs {longest} tokens but the engine's context is {engine.context_len}")
+        check_context(engine, work.prompts, work.output_lens)
         if args.warmup:
             _engine_warmup(engine, work, args)
         before = engine.get_step_stats(reset=True)

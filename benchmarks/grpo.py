@@ -191,7 +191,7 @@ def _wait_for_tail(engine: Any, worker: _Rollout, width: int) -> None:
 def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str, engine_options: dict[str, Any]
              ) -> dict[str, Any]:
     """The GRPO workload: one timed rollout, or with ``--rl-steps K`` the drain and in-flight RL loops."""
-    from benchmarks.engine_run import report_profile, start_profile
+    from benchmarks.engine_run import check_context, report_profile, start_profile
     from benchmarks.grpo_trainer import make_pusher
     from rollout.config import ModelConfig
     from rollout.engine import Engine
@@ -205,6 +205,8 @@ def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str,
     for name, in_flight in modes:
         with Engine(model_path, tp_size=args.tp_size, dtype=dtype, device=device, update_weights_in_flight=in_flight,
                     **engine_options) as engine:
+            for batch in batches:
+                check_context(engine, batch.prompts, batch.output_lens)
             run_rollout(engine, warmup_batch(args, vocab, args.seed + 7), args.temperature)
             engine.flush_cache()
             if not args.rl_steps:

@@ -324,6 +324,16 @@ def test_grpo_rollout_reports_the_median_it_used(preset_root, tmp_path, capsys):
     assert total["output_tok_s"] == pytest.approx(total["output_tokens"] / total["makespan_s"])
 
 
+def test_grpo_refuses_requests_longer_than_the_context(preset_root):
+    """A 4,090-token prompt asking for 14 tokens on the tiny preset's 4,096-token context: the engine stopped it
+    after 6 and the rollout timed those as if they were the workload (the fixed workload refused it already)."""
+    argv = ["--preset", "tiny", "--preset-dir", preset_root, "--device", "cpu", "--workload", "grpo",
+            "--num-prompts", "1", "--n", "1", "--min-len", "4090", "--max-len", "4090", "--output-len", "20",
+            "--output-median", "20"]
+    with pytest.raises(ValueError, match="a request needs 4104 tokens but the engine's context is 4096"):
+        main(argv)
+
+
 def test_grpo_rl_steps_with_a_distributed_trainer(tmp_path, capsys):
     """``--rl-sync distributed``: a trainer process (CPU, gloo) joins the engine's weight-update group and
     broadcasts each push in buckets; drained, every step samples from one new version, in flight the first
