@@ -69,13 +69,13 @@ class EngineClient:
                                         check_finite: bool = False, async_op: bool = False) -> Any:
         """SGLang's bucketed update: the server's engine receives ``names`` broadcast by trainer rank 0."""
         body = {"names": list(names), "dtypes": [dtype_name(d) for d in dtypes], "shapes": [list(s) for s in shapes],
-                "group_name": group_name, "flush_cache": flush_cache, "weight_version": weight_version,
+                "group_name": group_name, "flush_cache": flush_cache, "weight_version": _version(weight_version),
                 "load_format": load_format, "check_finite": check_finite}
         return self._in_order("/update_weights_from_distributed", body, async_op, _result)
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                  async_op: bool = False, *, load_format: str | None = None) -> Any:
-        body = {"model_path": str(model_path), "weight_version": weight_version, "load_format": load_format}
+        body = {"model_path": str(model_path), "weight_version": _version(weight_version), "load_format": load_format}
         return self._in_order("/update_weights_from_disk", body, async_op, _result)
 
     def rollback_weights(self) -> dict[str, Any]:
@@ -258,6 +258,11 @@ def _generate_body(text: Any, input_ids: Any, sampling_params: Any, fields: dict
         body["input_ids"] = [list(x) for x in input_ids] if input_ids and not isinstance(input_ids[0], int) \
             else list(input_ids)
     return body
+
+
+def _version(weight_version: Any) -> str | None:
+    """A weight version as the Engine names it (``str``, e.g. a trainer's step number), None for none."""
+    return None if weight_version is None else str(weight_version)
 
 
 def _success(answer: dict[str, Any]) -> bool:

@@ -436,6 +436,20 @@ def test_control_calls_through_the_client(server, engine):
         EngineClient(server.url, api_key="wrong").get_weight_version()
 
 
+def test_the_client_names_a_weight_version_as_the_engine_does(server, engine, path):
+    """A trainer's step number as ``weight_version`` (``WeightSender.send(..., weight_version=step)``): the Engine
+    names the weights ``str(step)``; the client sent the int, which the server refused (a 400)."""
+    client = EngineClient(server.url, api_key=KEY)
+    try:
+        for handle in (engine, client):
+            assert handle.update_weights_from_disk(path, weight_version=7)["weight_version"] == "7"
+            assert handle.get_weight_version() == "7"
+    finally:
+        for handle in (engine, client):
+            handle.update_weight_version("0")
+        client.close()
+
+
 def test_start_and_stop_profile_over_http(server, http, tmp_path):
     r = http.post("/start_profile", json={"output_dir": str(tmp_path), "profile_id": "http", "activities": ["CPU"]})
     assert r.status_code == 200 and r.json()["success"], r.text
