@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from rollout.dtypes import dtype_name
-from rollout.engine_inputs import abort_ids, check_wake_tags
+from rollout.engine_inputs import abort_ids, check_sleep_level, check_wake_tags
 
 DEFAULT_TIMEOUT_S = 3600.0
 
@@ -140,6 +140,7 @@ class EngineClient:
         return _result(self._post("/resume_memory_occupation", {"tags": tags}))
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
+        check_sleep_level(level)
         return _result(self._post(f"/sleep?level={int(level)}", None))
 
     def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:

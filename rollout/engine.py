@@ -21,7 +21,7 @@ from rollout import engine_outputs
 from rollout.config import EngineConfig, ModelConfig, import_transformers
 from rollout.dtypes import dtype_name
 from rollout.engine_inputs import (ChatTemplateOptions, PromptItem, abort_ids, chat_prompt, chat_prompt_ids,
-                                   check_wake_tags, conversations, normalize)
+                                   check_sleep_level, check_wake_tags, conversations, normalize)
 from rollout.io_struct import (BenchmarkReceiveReq, ContinueGenerationReq, ControlReq, DestroyProcessGroupReq,
                                FlushCacheReq, GetLoadReq, GetMemoryStateReq, GetStepStatsReq, GetWeightsByNameReq,
                                GetWeightStateReq, GetWeightVersionReq, InitProcessGroupReq, PauseGenerationReq,
@@ -227,8 +227,7 @@ class Engine:
         """vLLM's call: level 1 keeps the weights in host memory and drops the KV cache; level 2 drops both (the
         trainer pushes new weights after ``wake_up(tags=["weights"])``). Requests sent while asleep fail. As in
         vLLM, sleeping again is a warning and does nothing (SGLang's ``release_memory_occupation`` refuses)."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        check_sleep_level(level)
         state = self._call(GetMemoryStateReq())
         if state["sleeping"]:
             logger.warning("the engine is already sleeping (released: %s): sleep() does nothing", state["released"])

@@ -114,6 +114,13 @@ def abort_ids(ids: Any) -> list[str]:
     return out
 
 
+def check_sleep_level(level: Any) -> None:
+    """``sleep``'s ``level`` on every surface: 1 or 2, else a ValueError (over HTTP ``int(level)`` made 1.5 and
+    "2" a sleep of level 1 and 2)."""
+    if level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+
+
 def check_wake_tags(tags: list[str] | None) -> None:
     """``wake_up``'s ``tags`` on every surface: None wakes everything released; an empty list names nothing to
     wake and is a ValueError (docs/colocation.md; over HTTP it would be an empty query, which wakes everything)."""

@@ -66,3 +66,11 @@ def test_generate_reaches_the_scheduler_by_its_request_type():
     sched = open(os.path.join(ROOT, "rollout", "scheduler", "scheduler.py")).read()
     tm = open(os.path.join(ROOT, "rollout", "tokenizer_manager.py")).read()
     assert "GenerateReq(" in tm and "isinstance(msg, GenerateReq):\n            self.add_request(msg)" in sched
+
+
+@pytest.mark.parametrize("level", [1.5, "2", 0, None])
+def test_the_client_refuses_a_sleep_level_the_engine_refuses(level):
+    """``Engine.sleep`` takes level 1 or 2 and refuses anything else; the client sent ``int(level)``, so 1.5 slept
+    at level 1 and "2" at level 2 (no server is reached here: the refusal comes first, as the Engine's does)."""
+    with pytest.raises(ValueError, match="sleep level must be 1 or 2"):
+        EngineClient("http://127.0.0.1:1").sleep(level)
