@@ -373,6 +373,8 @@ class Engine:
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first ``truncate_size`` rows of an HF-named parameter (values of a 1-D one), gathered over TP ranks:
         SGLang's ``param.tolist()[:truncate_size]``, transformers' ``get_parameter(name)[:truncate_size]``."""
+        if not isinstance(name, str):  # the scheduler failed on it (AttributeError): a RuntimeError, not the caller's
+            raise ValueError(f"name must be a parameter name (a string), got {name!r}")
         return self._call(GetWeightsByNameReq(name=name, truncate_size=truncate_size))
 
     def weights_fingerprint(self) -> str:

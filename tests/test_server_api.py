@@ -450,6 +450,17 @@ def test_the_client_names_a_weight_version_as_the_engine_does(server, engine, pa
         client.close()
 
 
+@pytest.mark.parametrize("name", [None, 3])
+def test_a_name_that_is_no_string_is_a_value_error_on_both_handles(server, engine, name):
+    """The client's 400 is a ValueError; the Engine sent the name to the scheduler, whose AttributeError came back
+    as a RuntimeError (the error of an engine that failed, not of a bad call)."""
+    client = EngineClient(server.url, api_key=KEY)
+    for handle in (client, engine):
+        with pytest.raises(ValueError, match="name"):
+            handle.get_weights_by_name(name, 4)
+    assert engine.get_weights_by_name("model.norm.weight", 4) == client.get_weights_by_name("model.norm.weight", 4)
+
+
 def test_start_and_stop_profile_over_http(server, http, tmp_path):
     r = http.post("/start_profile", json={"output_dir": str(tmp_path), "profile_id": "http", "activities": ["CPU"]})
     assert r.status_code == 200 and r.json()["success"], r.text
