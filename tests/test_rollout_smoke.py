@@ -50,3 +50,14 @@ def test_logprob_tolerance_rule():
     assert logprob_tolerance(None, "bfloat16", {"ref_max": 0.2, "fp32_max": 0.3})[0] == 0.4
     assert logprob_tolerance(None, "float16", {})[0] == 0.1
     assert logprob_tolerance(0.05, "bfloat16", {"ref_max": 0.2, "fp32_max": 0.3})[0] == 0.05
+
+
+def test_a_model_dir_without_a_config_is_refused_up_front(tmp_path, capsys):
+    """A missing --model dir (or one with no config.json) is a usage error, exit 2 with one line; it had
+    ended in a ValueError traceback from ModelConfig.from_path."""
+    from weight_sync.smoke import main
+
+    code = main(["--model", str(tmp_path / "missing"), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("rollout-smoke: error: --model ") and "no config.json" in err

@@ -88,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model = args.model or ensure_default_model()
     backend, trainer_device = place.backend, place.device
-    moe = ModelConfig.from_path(model).is_moe  # compare with the engine's routing replayed (docs/moe.md)
+    try:
+        moe = ModelConfig.from_path(model).is_moe  # compare with the engine's routing replayed (docs/moe.md)
+    except ValueError as e:  # no config.json, an architecture the engine does not serve
+        print(f"rollout-smoke: error: --model {model}: {e}", file=sys.stderr)
+        return 2
     cfg = SmokeConfig(model, args.mode, args.bucket_mb, args.dtype, trainer_device, backend, free_port(),
                       args.tp_size, args.num_prompts, args.max_new_tokens, args.lr, args.seed, replay_routing=moe)
     ctx = mp.get_context("spawn")
