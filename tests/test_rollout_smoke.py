@@ -61,3 +61,36 @@ def test_a_model_dir_without_a_config_is_refused_up_front(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith("rollout-smoke: error: --model ") and "no config.json" in err
+
+
+def _run_with_greedy_outputs_cut_short(cfg, conn, results):
+    """The smoke's trainer, seeing the engine's greedy outputs cut to half their length (an engine that stops
+    early): every token it keeps is still transformers' argmax."""
+    from weight_sync import smoke_trainer
+    from weight_sync.remote import RemoteEngine
+
+    call = RemoteEngine.call
+
+    def cut(self, method, *args, **kwargs):
+        out = call(self, method, *args, **kwargs)
+        if method in ("chat", "generate") and args[1].temperature == 0.0:
+            for o in out:
+                o.outputs[0].token_ids = o.outputs[0].token_ids[:len(o.outputs[0].token_ids) // 2]
+        return out
+
+    RemoteEngine.call = cut
+    smoke_trainer.run(cfg, conn, results)
+
+
+def test_greedy_outputs_that_stop_early_fail(tiny_dir, monkeypatch, capsys):
+    """A greedy output that is a strict prefix of transformers' (no stop token at its end) diverges at no
+    token, so every greedy gap is 0: the check had passed with "0/2 prompts identical"."""
+    from weight_sync import smoke_trainer
+    from weight_sync.smoke import main
+
+    monkeypatch.setattr(smoke_trainer, "run", _run_with_greedy_outputs_cut_short)
+    code = main(["--model", tiny_dir("llama"), "--device", "cpu", "--mode", "tensor", "--num-prompts", "2",
+                 "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "[FAIL] greedy == transformers" in out and "2 stopped early" in out

@@ -146,9 +146,12 @@ def _print_report(args: argparse.Namespace, arch: str, device: str, backend: str
         ("weights changed by training", r["weights_changed"], ""),
         ("fingerprints equal", r["fp_engine"] == r["fp_trainer"],
          f"engine {r['fp_engine'][:12]}, trainer {r['fp_trainer'][:12]}"),
-        ("greedy == transformers", r["greedy_equal"] == r["greedy_total"] or r["greedy_max_gap"] <= tol,
+        ("greedy == transformers", r["greedy_equal"] == r["greedy_total"]
+         or (r["greedy_max_gap"] <= tol and not r["greedy_cut_short"]),
          f"{r['greedy_equal']}/{r['greedy_total']} prompts identical; every engine token is transformers' "
-         f"argmax within {r['greedy_max_gap']:.1e} (a divergence only at a near-tie below tol passes)"),
+         f"argmax within {r['greedy_max_gap']:.1e} (a divergence only at a near-tie below tol passes)"
+         + (f"; {r['greedy_cut_short']} stopped early (a prefix of transformers' output, no stop token)"
+            if r["greedy_cut_short"] else "")),
         ("logprob parity", after["max"] <= tol,
          f"max |Δ| {after['max']:.2e}, mean {after['mean']:.2e} over {after['tokens']} tokens ({tol_note})"
          + _routing_note(after)),

@@ -129,9 +129,12 @@ def _run(cfg: SmokeConfig, conn: Any) -> dict[str, Any]:
     greedy = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, return_routed_experts=cfg.replay_routing)
     outs = ask(greedy)
     eos = tok.eos_token_id
+    theirs = [hf_greedy(served, o.prompt_token_ids, cfg.max_new_tokens, eos) for o in outs]
+    stops = _stop_ids(tok, model)
     report["greedy_total"] = len(outs)
-    report["greedy_equal"] = sum(o.outputs[0].token_ids == hf_greedy(served, o.prompt_token_ids, cfg.max_new_tokens, eos)
-                                 for o in outs)
+    report["greedy_equal"] = sum(o.outputs[0].token_ids == t for o, t in zip(outs, theirs))
+    # a strict prefix of transformers' output diverges at no token, so no gap shows it: it must end at a stop token
+    report["greedy_cut_short"] = sum(_cut_short(o.outputs[0].token_ids, t, stops) for o, t in zip(outs, theirs))
     report["greedy_max_gap"] = max(max(greedy_gaps(served, o.prompt_token_ids, o.outputs[0].token_ids,
                                                    o.outputs[0].routed_experts), default=0.0) for o in outs)
     rollout2 = ask(sample)
@@ -140,6 +143,19 @@ def _run(cfg: SmokeConfig, conn: Any) -> dict[str, Any]:
     report["output_versions"] = sorted({o.weight_version for o in outs + rollout2})
     report["sample_answer"] = outs[0].outputs[0].text.strip()
     return report
+
+
+def _stop_ids(tok: Any, model: Any) -> set[int]:
+    """The ids that end the engine's sequences: the tokenizer's EOS and the model's (config, generation config)."""
+    ids = {tok.eos_token_id}
+    for eos in (model.config.eos_token_id, model.generation_config.eos_token_id):
+        ids.update(eos if isinstance(eos, list) else [eos])
+    return {i for i in ids if i is not None}
+
+
+def _cut_short(ours: list[int], theirs: list[int], stops: set[int]) -> bool:
+    """``ours`` stops before ``theirs`` without a token of its own that differs, and not at a stop token."""
+    return len(ours) < len(theirs) and ours == theirs[:len(ours)] and not (ours and ours[-1] in stops)
 
 
 def _asker(engine: Any, tok: Any, n: int) -> Any:
