@@ -94,3 +94,38 @@ def test_greedy_outputs_that_stop_early_fail(tiny_dir, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert code == 1, out
     assert "[FAIL] greedy == transformers" in out and "2 stopped early" in out
+
+
+def _run_with_a_wrong_weight_until_the_sync(cfg, conn, results):
+    """The smoke's trainer, with the engine serving a wrong final norm until the sync (as after a bad
+    checkpoint load): the sync replaces every weight, so only rollout 1 shows it."""
+    from safetensors.torch import load_file
+
+    from weight_sync import smoke_trainer
+    from weight_sync.remote import RemoteEngine
+
+    call = RemoteEngine.call
+    norm = load_file(f"{cfg.model_path}/model.safetensors")["model.norm.weight"]
+
+    def wrong_until_sync(self, method, *args, **kwargs):
+        if method in ("chat", "generate") and RemoteEngine.call is wrong_until_sync:
+            RemoteEngine.call = call
+            call(self, "update_weights_from_tensor", [("model.norm.weight", norm * 1.5)])
+        return call(self, method, *args, **kwargs)
+
+    RemoteEngine.call = wrong_until_sync
+    smoke_trainer.run(cfg, conn, results)
+
+
+def test_rollout_1_logprob_parity_is_judged(tiny_dir, monkeypatch, capsys):
+    """Rollout 1's logprob parity was printed but not checked: an engine whose weights were wrong before the
+    sync (|Δ| 1.1 against transformers) passed every check once the sync had replaced them."""
+    from weight_sync import smoke_trainer
+    from weight_sync.smoke import main
+
+    monkeypatch.setattr(smoke_trainer, "run", _run_with_a_wrong_weight_until_the_sync)
+    code = main(["--model", tiny_dir("llama"), "--device", "cpu", "--mode", "bucket", "--num-prompts", "2",
+                 "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "[FAIL] logprob parity before sync" in out and "[PASS] fingerprints equal" in out

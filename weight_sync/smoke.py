@@ -3,7 +3,7 @@
 Starts the engine, starts a separate trainer process holding the same checkpoint in transformers,
 rolls out a batch, lets the trainer take a real optimizer step on it, syncs the new weights, rolls out
 again and checks: fingerprints equal, greedy outputs equal transformers' on the new weights, logprob
-parity, weight versions. Exit status 0 only if every check passed.
+parity (of both rollouts), weight versions. Exit status 0 only if every check passed.
 
     rollout-smoke [--model DIR] [--tp-size N] [--backend gloo|nccl] [--mode bucket|per-tensor|disk|tensor]
 """
@@ -140,9 +140,13 @@ def _print_report(args: argparse.Namespace, arch: str, device: str, backend: str
     print(f"  trainer step: loss {r['loss']:.3f}, weights changed: {r['weights_changed']}")
     print(f"  sync ({s['mode']}): {s['tensors']} tensors in {s['buckets']} bucket(s), {s['bytes'] / 1e6:.1f} MB "
           f"in {s['seconds']:.3f} s = {s['gbps']:.2f} GB/s")
-    after = r["parity_after"]
+    before, after = r["parity_before"], r["parity_after"]
+    tol_before, tol_before_note = logprob_tolerance(args.logprob_tol, args.dtype, before)
     tol, tol_note = logprob_tolerance(args.logprob_tol, args.dtype, after)
     checks = [
+        ("logprob parity before sync", before["max"] <= tol_before,
+         f"max |Δ| {before['max']:.2e} over {before['tokens']} tokens of rollout 1 ({tol_before_note})"
+         + _routing_note(before)),
         ("weights changed by training", r["weights_changed"], ""),
         ("fingerprints equal", r["fp_engine"] == r["fp_trainer"],
          f"engine {r['fp_engine'][:12]}, trainer {r['fp_trainer'][:12]}"),

@@ -116,7 +116,8 @@ def _run(cfg: SmokeConfig, conn: Any) -> dict[str, Any]:
     report["rollout1"] = {"seconds": time.perf_counter() - t0, "sequences": sum(len(o.outputs) for o in rollout),
                           "tokens": sum(len(c.token_ids) for o in rollout for c in o.outputs),
                           "version": rollout[0].weight_version}
-    report["parity_before"] = _parity(_served(model, dtype), rollout)
+    served = _served(model, dtype)
+    report["parity_before"] = _parity(served, rollout, None if served is model else model)
     fp_before = weight_sync.fingerprint(model, dtype=dtype)
     report["loss"] = _train_step(model, rollout, cfg.lr, cfg.trainer_device)
     fp_after = weight_sync.fingerprint(model, dtype=dtype)
