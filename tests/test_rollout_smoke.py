@@ -129,3 +129,24 @@ def test_rollout_1_logprob_parity_is_judged(tiny_dir, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert code == 1, out
     assert "[FAIL] logprob parity before sync" in out and "[PASS] fingerprints equal" in out
+
+
+def test_a_device_the_machine_lacks_or_torch_does_not_know_is_refused_up_front(capsys):
+    """--device cuda without a GPU, or a device string torch does not know (engine's or trainer's), is a usage
+    error, exit 2 with one line, before any model is resolved or process started; they had ended in a
+    traceback (ValueError from the engine's launch, RuntimeError from torch.device)."""
+    import pytest
+    import torch
+
+    from weight_sync.smoke import main
+
+    bad = [["--device", "foo"], ["--device", "cpu", "--trainer-device", "foo"]]
+    if not torch.cuda.is_available():
+        bad.append(["--device", "cuda"])
+    for args in bad:
+        code = main(args)
+        err = capsys.readouterr().err
+        assert code == 2, (args, err)
+        assert err.startswith("rollout-smoke: error: ") and err.count("\n") == 1, (args, err)
+    if len(bad) < 3:
+        pytest.skip("a CUDA machine: --device cuda is valid here")

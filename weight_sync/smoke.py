@@ -74,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rollout import Engine
-    from rollout.config import ModelConfig
+    from rollout.config import EngineConfig, ModelConfig
     from rollout.default_model import ensure_default_model
+    from rollout.launcher import check_devices
     from weight_sync.placement import trainer_placement
     from weight_sync.remote import serve_engine
     from weight_sync.smoke_trainer import SmokeConfig, run
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         place = trainer_placement(device, args.tp_size, args.trainer_device, args.backend)
-    except ValueError as e:
+        check_devices(EngineConfig(model_path="", tp_size=args.tp_size, dtype=args.dtype, device=device))
+    except (ValueError, RuntimeError) as e:  # RuntimeError: torch.device's, for a string that names no device
         print(f"rollout-smoke: error: {e}", file=sys.stderr)
         return 2
     model = args.model or ensure_default_model()
