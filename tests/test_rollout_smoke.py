@@ -150,3 +150,35 @@ def test_a_device_the_machine_lacks_or_torch_does_not_know_is_refused_up_front(c
         assert err.startswith("rollout-smoke: error: ") and err.count("\n") == 1, (args, err)
     if len(bad) < 3:
         pytest.skip("a CUDA machine: --device cuda is valid here")
+
+
+def _run_with_a_logprob_missing(cfg, conn, results):
+    """The smoke's trainer, seeing the last sampled output of each rollout without its last token's logprob."""
+    from weight_sync import smoke_trainer
+    from weight_sync.remote import RemoteEngine
+
+    call = RemoteEngine.call
+
+    def drop(self, method, *args, **kwargs):
+        out = call(self, method, *args, **kwargs)
+        if method in ("chat", "generate") and args[1].temperature != 0.0:
+            last = out[-1].outputs[-1]
+            last.token_logprobs = last.token_logprobs[:-1]
+        return out
+
+    RemoteEngine.call = drop
+    smoke_trainer.run(cfg, conn, results)
+
+
+def test_an_output_with_fewer_logprobs_than_tokens_fails(tiny_dir, monkeypatch, capsys):
+    """The parity zipped the engine's logprobs with transformers' over all outputs: one output short of a
+    logprob passed, the report counting 31 tokens of a 32-token rollout."""
+    from weight_sync import smoke_trainer
+    from weight_sync.smoke import main
+
+    monkeypatch.setattr(smoke_trainer, "run", _run_with_a_logprob_missing)
+    code = main(["--model", tiny_dir("llama"), "--device", "cpu", "--mode", "tensor", "--num-prompts", "2",
+                 "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "could not run: ValueError: the engine returned 7 logprobs for 8 tokens" in out

@@ -48,6 +48,8 @@ def _parity(model: Any, outs: list[Any], reference: Any = None) -> dict[str, flo
     ours, theirs, exact = [], [], []
     for o in outs:
         for c in o.outputs:
+            if len(c.token_logprobs) != len(c.token_ids):  # zip below would pair the rest off by one, or drop them
+                raise ValueError(f"the engine returned {len(c.token_logprobs)} logprobs for {len(c.token_ids)} tokens")
             ours += c.token_logprobs
             theirs += hf_logprobs(model, o.prompt_token_ids, c.token_ids, c.routed_experts, counts)
             if reference is not None:
