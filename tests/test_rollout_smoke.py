@@ -86,14 +86,22 @@ def test_greedy_outputs_that_stop_early_fail(tiny_dir, monkeypatch, capsys):
     """A greedy output that is a strict prefix of transformers' (no stop token at its end) diverges at no
     token, so every greedy gap is 0: the check had passed with "0/2 prompts identical"."""
     from weight_sync import smoke_trainer
-    from weight_sync.smoke import main
 
-    monkeypatch.setattr(smoke_trainer, "run", _run_with_greedy_outputs_cut_short)
-    code = main(["--model", tiny_dir("llama"), "--device", "cpu", "--mode", "tensor", "--num-prompts", "2",
-                 "--max-new-tokens", "8"])
-    out = capsys.readouterr().out
+    code, out = _smoke_with(smoke_trainer, _run_with_greedy_outputs_cut_short, "tensor", tiny_dir, monkeypatch,
+                            capsys)
     assert code == 1, out
     assert "[FAIL] greedy == transformers" in out and "2 stopped early" in out
+
+
+def _smoke_with(smoke_trainer, run, mode: str, tiny_dir, monkeypatch, capsys) -> tuple[int, str]:
+    """rollout-smoke's exit code and output on the tiny Llama (2 prompts, 8 tokens) with its trainer's ``run``
+    replaced by ``run``."""
+    from weight_sync.smoke import main
+
+    monkeypatch.setattr(smoke_trainer, "run", run)
+    code = main(["--model", tiny_dir("llama"), "--device", "cpu", "--mode", mode, "--num-prompts", "2",
+                 "--max-new-tokens", "8"])
+    return code, capsys.readouterr().out
 
 
 def _run_with_a_wrong_weight_until_the_sync(cfg, conn, results):
@@ -121,12 +129,9 @@ def test_rollout_1_logprob_parity_is_judged(tiny_dir, monkeypatch, capsys):
     """Rollout 1's logprob parity was printed but not checked: an engine whose weights were wrong before the
     sync (|Δ| 1.1 against transformers) passed every check once the sync had replaced them."""
     from weight_sync import smoke_trainer
-    from weight_sync.smoke import main
 
-    monkeypatch.setattr(smoke_trainer, "run", _run_with_a_wrong_weight_until_the_sync)
-    code = main(["--model", tiny_dir("llama"), "--device", "cpu", "--mode", "bucket", "--num-prompts", "2",
-                 "--max-new-tokens", "8"])
-    out = capsys.readouterr().out
+    code, out = _smoke_with(smoke_trainer, _run_with_a_wrong_weight_until_the_sync, "bucket", tiny_dir, monkeypatch,
+                            capsys)
     assert code == 1, out
     assert "[FAIL] logprob parity before sync" in out and "[PASS] fingerprints equal" in out
 
