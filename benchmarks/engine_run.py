@@ -50,11 +50,17 @@ def _timing(batch_size: int, entry: dict[str, Any]) -> StepTiming:
 CUMULATIVE_COUNTS = ("mixed_steps", "retractions", "cascade_steps", "cascade_rows", "gen_tokens", "prefill_tokens")
 
 
+def count_deltas(before: dict[str, Any], after: dict[str, Any],
+                 keys: tuple[str, ...] = CUMULATIVE_COUNTS) -> dict[str, Any]:
+    """The counts ``keys`` (of ``Engine.get_step_stats()``, which a reset does not zero) from ``before`` to ``after``."""
+    return {k: after.get(k, 0) - before.get(k, 0) for k in keys}
+
+
 def counts_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """``after``, an ``Engine.get_step_stats(reset=True)`` read, with the counts a reset does not zero
     (``CUMULATIVE_COUNTS``: mixed steps, retractions, ...) taken since the ``before`` read, so that they
     cover the same steps as its reset timings (not the warm-up's)."""
-    return {**after, **{k: after[k] - before.get(k, 0) for k in CUMULATIVE_COUNTS if k in after}}
+    return {**after, **count_deltas(before, after)}
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -191,7 +191,7 @@ def _wait_for_tail(engine: Any, worker: _Rollout, width: int) -> None:
 def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str, engine_options: dict[str, Any]
              ) -> dict[str, Any]:
     """The GRPO workload: one timed rollout, or with ``--rl-steps K`` the drain and in-flight RL loops."""
-    from benchmarks.engine_run import check_context, report_profile, start_profile
+    from benchmarks.engine_run import check_context, count_deltas, report_profile, start_profile
     from benchmarks.grpo_trainer import make_pusher
     from rollout.config import ModelConfig
     from rollout.engine import Engine
@@ -222,8 +222,8 @@ def run_grpo(args: argparse.Namespace, model_path: str, device: str, dtype: str,
                 rows = _decoded_rows(after) - _decoded_rows(before)  # neither read resets the counts
                 report[name] = {"total": summarize(outs, end - start, load.tail_s(start, end)).to_dict(),
                                 "decode_rows": rows, "graph_replays": replays_between(before, after),
-                                **{k: after.get(k, 0) - before.get(k, 0)
-                                   for k in ("mixed_steps", "retractions", "cascade_steps", "cascade_rows")}}
+                                **count_deltas(before, after, ("mixed_steps", "retractions", "cascade_steps",
+                                                               "cascade_rows"))}
                 continue
             with make_pusher(args.rl_sync, engine, model_path, device, dtype, args.tp_size,
                              args.trainer_device) as trainer:

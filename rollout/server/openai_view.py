@@ -60,7 +60,7 @@ class OpenAIView:
         response = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                     "choices": choices, "usage": self._usage(), "weight_version": self.weight_version}
         if self.chat and self.token_ids:  # vLLM's chat response names its prompt's ids once, at the top level
-            response["prompt_token_ids"] = outs[0].prompt_token_ids
+            response["prompt_token_ids"] = self.prompt_ids
         return response
 
     # -- streams --
