@@ -69,6 +69,26 @@ def test_a_tied_head_stored_beside_the_embedding(tiny_dir, tmp_path, hf_referenc
         assert engine.weights_fingerprint() == before and engine.get_weight_state()["state"] == "consistent"
         engine.update_weights_from_tensor([("model.embed_tokens.weight", embed), ("lm_head.weight", embed.clone())])
         assert engine.weights_fingerprint() == before  # a state_dict's equal pair is the same parameter
+        _push_state_dict_in_order_names_one_version(engine, weights)
+
+
+def _push_state_dict_in_order_names_one_version(engine, weights) -> None:
+    """A tied model's state_dict in order (verl's buckets, the last one flushing): the bucket before the head
+    completes the weights, so the head (the same values) must not open a second session: one new version (it
+    went 1 -> 3 with an unnamed "2" served between), the same with a version named on the last bucket."""
+    sent = [(n, t * 1.5) for n, t in weights.items()] + [("lm_head.weight", weights["model.embed_tokens.weight"] * 1.5)]
+    version = int(engine.get_weight_version())
+    assert engine.update_weights_from_tensor(sent[:-1], flush_cache=False)["complete"]
+    assert engine.get_weight_version() == str(version + 1)
+    out = engine.update_weights_from_tensor(sent[-1:], flush_cache=True)
+    assert out["weight_version"] == str(version + 1) and engine.get_weight_version() == str(version + 1)
+    assert engine.get_weight_state()["state"] == "consistent"
+    engine.update_weights_from_tensor(sent[:-1], flush_cache=False)
+    assert engine.update_weights_from_tensor(sent[-1:], weight_version="step-9")["weight_version"] == "step-9"
+    changed = sent[-1][1].clone()
+    changed[0, 0] += 1.0  # a head that differs (the trainer untied it) still loads, as a new update
+    engine.update_weights_from_tensor([("lm_head.weight", changed)])
+    assert engine.get_weights_by_name("model.embed_tokens.weight", 1)[0][0] == changed[0, 0].item()
 
 
 def test_a_reload_of_another_models_checkpoint_is_refused(tiny_dir, tmp_path):

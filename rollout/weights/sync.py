@@ -28,7 +28,7 @@ from rollout.weights.group import WeightGroups
 from rollout.weights.ipc_protocol import OpenedIpcTensors
 from rollout.weights.shared_tensors import close_shared, open_shared
 from rollout.weights.updater import TransferError, WeightUpdater, assemble
-from rollout.weights.weight_map import equal_values
+from rollout.weights.weight_map import TIED_HEAD, equal_values
 
 logger = logging.getLogger(__name__)
 
@@ -321,6 +321,7 @@ class WeightSync:
                 closes = flush_cache or weight_version is not None
                 self.refused_before_session = None if closes else reason
             raise ValueError(reason)
+        tensors = self._without_served_tied_head(tensors)
         if not tensors:
             return self._apply_nothing(start, flush_cache, weight_version, group_name)
         refused = None
@@ -337,6 +338,18 @@ class WeightSync:
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         done = self.updater.end_session(explicit=flush_cache or weight_version is not None)
         return self._finish(start, len(tensors), nbytes, done, weight_version)
+
+    def _without_served_tied_head(self, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """``tensors`` without a tied ``lm_head.weight`` equal (on every rank) to the embedding served, while no session
+        is open: a tied model's ``state_dict`` pushed in order ends with it after the call that completed the weights,
+        and loading it again would open a second session, a second version and an unnamed one between the two."""
+        up = self.updater
+        head = next((t for name, t in tensors if name == TIED_HEAD), None)
+        if head is None or up.weight_map.canonical(TIED_HEAD) == TIED_HEAD or up.session or up.inconsistent is not None or self.refused_before_session is not None:
+            return tensors
+        if not self.tp.all_true(up.holds(TIED_HEAD, head)):
+            return tensors
+        return [(name, t) for name, t in tensors if name != TIED_HEAD]
 
     def _apply_nothing(self, start: float, flush_cache: bool, weight_version: str | None, group_name: str | None
                        ) -> dict[str, Any]:
