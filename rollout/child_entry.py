@@ -49,6 +49,15 @@ def orphaned() -> bool:
     return parent is not None and os.getppid() != int(parent)
 
 
+def start_failure(e: BaseException) -> dict:
+    """The start-up report of a child whose start failed with ``e`` (``rollout.launcher`` raises it again in the
+    engine's process: a ValueError as itself, with ``e``'s own message; anything else as a ``ChildStartError``
+    carrying the child's traceback). Call it inside the ``except`` block."""
+    import traceback
+
+    return {"ok": False, "type": type(e).__name__, "error": str(e), "traceback": traceback.format_exc()}
+
+
 def exit_now(code: int) -> None:
     """End this process with ``code`` once logs and standard streams are flushed, skipping the interpreter's
     finalization. A scheduler rank calls it when its loop is done: gloo's worker threads outlive

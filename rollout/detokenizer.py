@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import traceback
 from typing import Any
 
 import zmq
 
+from rollout.child_entry import start_failure
 from rollout.config import EngineConfig
 from rollout.detokenize_state import IncrementalDetokenizer
 from rollout.gc_policy import freeze_heap
@@ -28,8 +28,7 @@ def run_detokenizer_process(config: EngineConfig, paths: IPCPaths, ready: Any) -
         freeze_heap()  # later collections walk only what serving allocates (rollout.gc_policy)
         ready.send({"ok": True})
     except BaseException as e:  # noqa: BLE001
-        ready.send({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
-                    "type": type(e).__name__})
+        ready.send(start_failure(e))
         return
     finally:
         ready.close()

@@ -183,12 +183,12 @@ def _poll_child(proc: ChildProcess) -> dict[str, Any] | None:
             info = proc.ready.recv()
         except EOFError:
             proc.join(1.0)
-            info = {"ok": False, "error": f"{proc.name} exited during start-up (exit code {proc.exitcode})"}
-        if info.get("ok"):
+            raise ChildStartError(f"{proc.name} exited during start-up (exit code {proc.exitcode})") from None
+        if info["ok"]:
             return info
-        if info.get("type") == "ValueError":  # the child's own message, without its "ValueError: " prefix
-            raise ValueError(info["error"].removeprefix("ValueError: "))
-        raise ChildStartError(f"{proc.name} failed to start: {info['error']}\n{info.get('traceback', '')}")
+        if info["type"] == "ValueError":  # a bad engine argument or checkpoint: the child's own message
+            raise ValueError(info["error"])
+        raise ChildStartError(f"{proc.name} failed to start: {info['type']}: {info['error']}\n{info['traceback']}")
     if not proc.is_alive():
         raise ChildStartError(f"{proc.name} exited during start-up (exit code {proc.exitcode})")
     return None

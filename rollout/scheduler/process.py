@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
-import traceback
 from typing import Any
 
 import torch
 import zmq
 
-from rollout.child_entry import exit_now, orphaned
+from rollout.child_entry import exit_now, orphaned, start_failure
 from rollout.config import EngineConfig, ModelConfig
 from rollout.distributed import TPGroup
 from rollout.gc_policy import freeze_heap
@@ -55,8 +54,7 @@ def run_scheduler_process(config: EngineConfig, paths: IPCPaths, rank: int, read
         freeze_heap()  # later collections walk only what serving allocates (rollout.gc_policy)
         ready.send({"ok": True, "context_len": runner.context_len, "num_slots": runner.num_slots})
     except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it
-        ready.send({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
-                    "type": type(e).__name__})
+        ready.send(start_failure(e))
         return
     finally:
         ready.close()
