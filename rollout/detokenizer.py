@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import zmq
@@ -15,14 +16,18 @@ from rollout.ipc import IPCPaths, socket
 from rollout.logging_utils import configure
 
 
-def run_detokenizer_process(config: EngineConfig, paths: IPCPaths, ready: Any) -> None:
-    """Load the tokenizer, report readiness on ``ready``, then forward outputs with text filled in."""
+def run_detokenizer_process(config: EngineConfig, paths: IPCPaths, pickled_tokenizer: bytes | None, ready: Any) -> None:
+    """Report readiness on ``ready``, then forward outputs with text filled in. ``pickled_tokenizer``: the engine's
+    tokenizer; None: load it from ``config``."""
     configure(config.log_level, "Detokenizer")
     ctx = zmq.Context()
     try:
-        from transformers import AutoTokenizer
+        if pickled_tokenizer is not None:
+            tokenizer = pickle.loads(pickled_tokenizer)
+        else:
+            from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
+            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model_path)
         recv = socket(ctx, zmq.PULL, paths.detokenizer, bind=True)
         send = socket(ctx, zmq.PUSH, paths.tokenizer, bind=False)
         freeze_heap()  # later collections walk only what serving allocates (rollout.gc_policy)

@@ -66,7 +66,7 @@ class Engine:
                              f"({self.model_config.vocab_size})")
         self.sampling_defaults = _model_sampling_defaults(self.config)
         self.tokenizer = None if self.config.skip_tokenizer_init else _load_tokenizer(self.config)
-        self._procs = launch(self.config)
+        self._procs = launch(self.config, self.tokenizer)
         self.tokenizer_manager = TokenizerManager(self.config, self._procs.paths, self.model_config,
                                                   self.tokenizer, self._procs.context_len, self._procs.alive)
         self._closed = False

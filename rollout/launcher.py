@@ -118,8 +118,10 @@ class EngineProcesses:
         self.paths.remove()
 
 
-def launch(config: EngineConfig) -> EngineProcesses:
-    """Start the detokenizer and one scheduler per TP rank; raise with the child's error if one fails."""
+def launch(config: EngineConfig, tokenizer: Any = None) -> EngineProcesses:
+    """Start the detokenizer and one scheduler per TP rank; raise with the child's error if one fails.
+    ``tokenizer``: the caller's, loaded from ``config``; the detokenizer takes a copy of it (a pickle) rather than
+    loading its own, which imports torch and the model's config class."""
     from rollout.detokenizer import run_detokenizer_process
     from rollout.scheduler.process import run_scheduler_process
 
@@ -128,7 +130,7 @@ def launch(config: EngineConfig) -> EngineProcesses:
     targets = [(run_scheduler_process, (config, engine.paths, rank), f"rollout-scheduler-tp{rank}")
                for rank in range(config.tp_size)]
     if not config.skip_tokenizer_init:
-        targets.append((run_detokenizer_process, (config, engine.paths), "rollout-detokenizer"))
+        targets.append((run_detokenizer_process, (config, engine.paths, _pickled(tokenizer)), "rollout-detokenizer"))
     try:
         for target, args, name in targets:
             engine.procs.append(ChildProcess(target, args, name))
@@ -141,6 +143,14 @@ def launch(config: EngineConfig) -> EngineProcesses:
     engine.context_len = infos[0]["context_len"]
     engine.num_slots = infos[0]["num_slots"]
     return engine
+
+
+def _pickled(obj: Any) -> bytes | None:
+    """``obj`` pickled, or None when it is None or cannot be pickled (a tokenizer with custom code)."""
+    try:
+        return None if obj is None else pickle.dumps(obj)
+    except Exception:  # noqa: BLE001 - any pickling failure means "load it there"
+        return None
 
 
 def check_devices(config: EngineConfig) -> None:
