@@ -8,7 +8,8 @@ Each variant starts an engine on the checkpoint and generates from the prompts (
 and, for CUDA-graph variants, replays graphs captured over the old weights), then pushes a second set of
 weights with ``update_weights_from_tensor`` (CUDA tensors, so the CUDA IPC path; the ``sleep`` variant
 releases and resumes the engine's memory first; the ``embed-only`` variant pushes only the embedding of a
-tied model), generates the same prompts again (greedy, top-20 logprobs) and compares them teacher-forced with
+tied model; the ``in-order`` variant pushes the ``state_dict`` in two calls, the last one its last tensor),
+generates the same prompts again (greedy, top-20 logprobs) and compares them teacher-forced with
 transformers holding the new weights, with ``check_logits``' metrics, and with a fresh engine of the same
 options started on a checkpoint of the new weights. Variants that store weights or K/V differently compare
 with a transformers model that computes the same way (``tests/reference.py``).
@@ -43,6 +44,7 @@ VARIANTS = {  # name -> engine options
     "saver": {"enable_memory_saver": True},
     "sleep": {"enable_memory_saver": True},
     "embed-only": {},
+    "in-order": {},
 }
 
 
@@ -71,7 +73,13 @@ def run_variant(path: str, name: str, prompts: list[list[int]], new_tokens: int,
             if name == "sleep":
                 engine.sleep()
                 engine.wake_up()
-            engine.update_weights_from_tensor(named, weight_version="new")
+            if name == "in-order":  # a state_dict in two calls; a tied head last loads nothing (no 2nd version)
+                first = engine.update_weights_from_tensor(named[:-1], flush_cache=False)
+                last = engine.update_weights_from_tensor(named[-1:], weight_version="new")
+                print(f"in-order: the first call complete {first['complete']} (version {first['weight_version']}); "
+                      f"the last ({named[-1][0]}) loaded {last['loaded']} tensors", flush=True)
+            else:
+                engine.update_weights_from_tensor(named, weight_version="new")
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         replays = engine.get_step_stats()["graph_replays"]
     versions = {o.weight_version for o in outs}
