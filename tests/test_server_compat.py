@@ -295,3 +295,24 @@ def test_chat_return_token_ids_names_the_prompt_ids_at_the_top_level_as_vllm(htt
     assert events[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in e for e in events[1:]), events
     plain = http.post("/v1/chat/completions", json={**body, "return_token_ids": False}).json()
     assert "prompt_token_ids" not in plain
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_return_logprob_always_sends_input_token_logprobs(http, stream):
+    """SGLang's ``meta_info`` with ``return_logprob`` always holds ``input_token_logprobs`` (and, with
+    ``top_logprobs_num``, ``input_top_logprobs``): for the default ``logprob_start_len`` (-1) its scheduler starts
+    the prompt logprobs at the prompt's end, so they are empty lists. Both keys were missing (a KeyError in a
+    client that reads them)."""
+    body = {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
+            "top_logprobs_num": 2, "stream": stream}
+    if stream:
+        with http.stream("POST", "/generate", json=body) as r:
+            metas = [e["meta_info"] for e in sse_events(r.iter_lines())]
+    else:
+        metas = [http.post("/generate", json=body).json()["meta_info"]]
+    assert metas and all(m["input_token_logprobs"] == [] and m["input_top_logprobs"] == [] for m in metas), metas
+    assert len(metas[-1]["output_token_logprobs"]) == 2
+    meta = http.post("/generate", json={**body, "stream": False, "top_logprobs_num": 0}).json()["meta_info"]
+    assert meta["input_token_logprobs"] == [] and "input_top_logprobs" not in meta, meta
+    meta = http.post("/generate", json={**body, "stream": False, "return_logprob": False}).json()["meta_info"]
+    assert "input_token_logprobs" not in meta and "output_token_logprobs" not in meta, meta

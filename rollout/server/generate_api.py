@@ -7,9 +7,9 @@
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_version`` (the version that sampled the
 sample's last token), ``token_weight_versions`` (per output token: the weight version that sampled it),
 ``e2e_latency`` and, with ``return_logprob``, ``output_token_logprobs`` (``[logprob, token_id, text or null]`` per
-token) and ``output_top_logprobs``; with ``logprob_start_len`` >= 0 also ``input_token_logprobs`` and
-``input_top_logprobs`` for the prompt tokens from that position on, the first entry's logprob null (SGLang's
-shape); with ``return_routed_experts`` (MoE models, SGLang's field) the final ``meta_info`` has
+token), ``output_top_logprobs``, ``input_token_logprobs`` and ``input_top_logprobs``: empty for the default
+``logprob_start_len`` (-1), as SGLang sends them, and for ``logprob_start_len`` >= 0 the prompt tokens from that
+position on, the first entry's logprob null (SGLang's shape); with ``return_routed_experts`` (MoE models, SGLang's field) the final ``meta_info`` has
 ``routed_experts`` (base64 int32, ``rollout.outputs.routed_experts_from_base64``) and ``routed_experts_start_len``. Streams send the cumulative state of one (prompt, sample) per event, as SGLang does. A prompt plus
 ``max_new_tokens`` longer than the context is a 400.
 """
@@ -179,8 +179,7 @@ class _GenerateView:
                                              for lp, t in zip(c.token_logprobs or [], c.token_ids)]
             if self.body.top_logprobs_num:
                 meta["output_top_logprobs"] = [self._top(entry) for entry in c.logprobs or []]
-            if self.body.logprob_start_len >= 0:
-                meta.update(self._input_logprobs(out))
+            meta.update(self._input_logprobs(out) if self.body.logprob_start_len >= 0 else self._no_input_logprobs())
         meta["token_weight_versions"] = list(c.token_weight_versions)
         item = {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
         if index is not None:
@@ -219,6 +218,11 @@ class _GenerateView:
         if self.body.top_logprobs_num:
             meta["input_top_logprobs"] = [self._top(e) if e else None for e in entries]
         return meta
+
+    def _no_input_logprobs(self) -> dict[str, Any]:
+        """SGLang's prompt logprob fields for the default ``logprob_start_len`` (-1): present and empty, as SGLang
+        sends them with ``return_logprob`` (its scheduler starts the prompt logprobs past the prompt's end)."""
+        return {"input_token_logprobs": [], **({"input_top_logprobs": []} if self.body.top_logprobs_num else {})}
 
     def _text(self, token_id: int) -> str | None:
         if not self.body.return_text_in_logprobs or self.tokenizer is None:
