@@ -184,8 +184,8 @@ def test_top_logprobs_hold_k_entries_when_the_sampled_token_ties_the_kth():
                 CompletionOutput(index=0, token_ids=[tok], token_logprobs=[out.logprobs[0].item()], logprobs=[entry]))
             assert len(chat["content"][0]["top_logprobs"]) == k, chat
             gen = _GenerateView.__new__(_GenerateView)
-            gen.body, gen.tokenizer = SimpleNamespace(top_logprobs_num=k, return_text_in_logprobs=False), None
-            assert len(gen._top(entry)) == k, gen._top(entry)
+            gen.body, gen.tokenizer = SimpleNamespace(return_text_in_logprobs=False), None
+            assert len(gen._top(entry, k)) == k, gen._top(entry, k)
     assert entries == {1, 3}  # both cases came up: a tie at the top, and one further down
 
 
@@ -316,3 +316,28 @@ def test_generate_return_logprob_always_sends_input_token_logprobs(http, stream)
     assert meta["input_token_logprobs"] == [] and "input_top_logprobs" not in meta, meta
     meta = http.post("/generate", json={**body, "stream": False, "return_logprob": False}).json()["meta_info"]
     assert "input_token_logprobs" not in meta and "output_token_logprobs" not in meta, meta
+
+
+def test_generate_takes_logprob_options_per_prompt_as_sglang_does(http):
+    """SGLang's ``return_logprob``, ``top_logprobs_num`` and ``logprob_start_len`` may each be a list with one entry
+    per prompt of a batch (``GenerateReqInput._normalize_logprob_params``); a prompt without ``return_logprob``
+    ignores its ``logprob_start_len``, as SGLang's scheduler does. Lists were a 400 "matches none of the accepted
+    types", and a ``logprob_start_len`` without ``return_logprob`` a 400."""
+    body = {"input_ids": [[4, 5, 6, 7], [8, 9, 10]], "sampling_params": {"max_new_tokens": 2},
+            "return_logprob": [True, False], "top_logprobs_num": [2, 3], "logprob_start_len": [1, 0]}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    first, second = (item["meta_info"] for item in r.json())
+    assert [e[1] for e in first["input_token_logprobs"]] == [5, 6, 7] and first["input_token_logprobs"][0][0] is None
+    assert all(len(top) == 2 for top in first["output_top_logprobs"]) and len(first["input_top_logprobs"]) == 3
+    assert not {"input_token_logprobs", "output_token_logprobs", "output_top_logprobs"} & second.keys(), second
+    r = http.post("/generate", json={**body, "return_logprob": [False, True], "logprob_start_len": 0})
+    first, second = (item["meta_info"] for item in r.json())
+    assert "output_token_logprobs" not in first and [e[1] for e in second["input_token_logprobs"]] == [8, 9, 10]
+    assert len(second["output_top_logprobs"][0]) == 3
+    r = http.post("/generate", json={"input_ids": [4, 5], "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 200 and "input_token_logprobs" not in r.json()["meta_info"], r.text
+    r = http.post("/generate", json={**body, "top_logprobs_num": [2]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs_num", r.text
+    r = http.post("/generate", json={**body, "logprob_start_len": [1, -2]})
+    assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["param"], r.text

@@ -6,7 +6,8 @@
 (``{"type": "length", "length"}``, ``{"type": "stop", "matched"}`` or ``{"type": "abort", ...}``),
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_version`` (the version that sampled the
 sample's last token), ``token_weight_versions`` (per output token: the weight version that sampled it),
-``e2e_latency`` and, with ``return_logprob``, ``output_token_logprobs`` (``[logprob, token_id, text or null]`` per
+``e2e_latency`` and, with ``return_logprob`` (it, ``top_logprobs_num`` and ``logprob_start_len`` may be lists, one
+entry per prompt, as SGLang's), ``output_token_logprobs`` (``[logprob, token_id, text or null]`` per
 token), ``output_top_logprobs``, ``input_token_logprobs`` and ``input_top_logprobs``: empty for the default
 ``logprob_start_len`` (-1), as SGLang sends them, and for ``logprob_start_len`` >= 0 the prompt tokens from that
 position on, the first entry's logprob null (SGLang's shape); with ``return_routed_experts`` (MoE models, SGLang's field) the final ``meta_info`` has
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -107,8 +109,6 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
 def _job(body: GenerateRequest) -> GenJob:
     if (body.text is None) == (body.input_ids is None):
         raise APIError(400, "pass exactly one of 'text' and 'input_ids'", "text")
-    if body.logprob_start_len != -1 and not body.return_logprob:
-        raise APIError(400, "logprob_start_len needs return_logprob=true", "logprob_start_len")
     if body.routed_experts_start_len and not body.return_routed_experts:
         raise APIError(400, "routed_experts_start_len needs return_routed_experts=true", "routed_experts_start_len")
     texts = ids = None
@@ -126,20 +126,49 @@ def _job(body: GenerateRequest) -> GenJob:
     if len(raw) != count:
         raise APIError(400, f"got {len(raw)} sampling_params for {count} prompts", "sampling_params")
     params = []
-    for values in raw:
+    for values, ask in zip(raw, _logprob_asks(body, count)):
         values = dict(values)
         if body.return_routed_experts:  # request-level in SGLang; a sampling parameter here
             values.update(return_routed_experts=True, routed_experts_start_len=body.routed_experts_start_len)
-        if body.return_logprob:
-            values["logprobs"] = body.top_logprobs_num
-            if body.logprob_start_len >= 0:
-                values.update(prompt_logprobs=body.top_logprobs_num, logprob_start_len=body.logprob_start_len)
+        if ask.want:
+            values["logprobs"] = ask.top
+            if ask.start >= 0:
+                values.update(prompt_logprobs=ask.top, logprob_start_len=ask.start)
         params.append(sampling_params(values))
     rid, group_id = body.rid, None
     if isinstance(rid, str) and rid and batch:  # SGLang's: one id for a batch names its prompts "<rid>_<i>"
         rid, group_id = [f"{rid}_{i}" for i in range(count)], rid
     return GenJob(texts, ids, params, request_ids("", count, rid), length_param="sampling_params.max_new_tokens",
                   group_id=group_id)
+
+
+@dataclass(frozen=True)
+class _LogprobAsk:
+    """One prompt's SGLang logprob options: ``want`` (``return_logprob``), ``top`` (``top_logprobs_num``) and
+    ``start`` (``logprob_start_len``; -1: no prompt logprobs)."""
+
+    want: bool
+    top: int
+    start: int
+
+
+def _logprob_asks(body: GenerateRequest, count: int) -> list[_LogprobAsk]:
+    """Each of ``count`` prompts' logprob options: ``return_logprob``, ``top_logprobs_num`` and ``logprob_start_len``
+    are one value for every prompt or a list with one per prompt (SGLang's ``GenerateReqInput``); a prompt without
+    ``return_logprob`` ignores its ``logprob_start_len``, as SGLang's scheduler does. A list of another length is a
+    400 naming the field."""
+    wants = _per_prompt(body.return_logprob, count, "return_logprob")
+    tops = _per_prompt(body.top_logprobs_num, count, "top_logprobs_num")
+    starts = _per_prompt(body.logprob_start_len, count, "logprob_start_len")
+    return [_LogprobAsk(want, top, start if want else -1) for want, top, start in zip(wants, tops, starts)]
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise APIError(400, f"got {len(value)} {name} values for {count} prompts", name)
+    return list(value)
 
 
 # ---- engine output → SGLang JSON ------------------------------------------------------------------
@@ -153,6 +182,7 @@ class _GenerateView:
         self.body = body
         self.job = job
         self.n = {rid: p.n for rid, p in zip(job.rids, job.params)}
+        self.asks = dict(zip(job.rids, _logprob_asks(body, job.size)))
         # a (prompt, sample)'s place in the non-streamed list: the samples of the prompts before it, then its
         # own index (prompts may ask for different n: prompt * n collided with another prompt's samples)
         starts = [0]
@@ -174,12 +204,13 @@ class _GenerateView:
         if c.routed_experts is not None:
             meta["routed_experts"] = routed_experts_to_base64(c.routed_experts)
             meta["routed_experts_start_len"] = self.body.routed_experts_start_len
-        if self.body.return_logprob:
+        ask = self.asks[out.request_id]
+        if ask.want:
             meta["output_token_logprobs"] = [[_finite(lp), t, self._text(t)]
                                              for lp, t in zip(c.token_logprobs or [], c.token_ids)]
-            if self.body.top_logprobs_num:
-                meta["output_top_logprobs"] = [self._top(entry) for entry in c.logprobs or []]
-            meta.update(self._input_logprobs(out) if self.body.logprob_start_len >= 0 else self._no_input_logprobs())
+            if ask.top:
+                meta["output_top_logprobs"] = [self._top(entry, ask.top) for entry in c.logprobs or []]
+            meta.update(self._input_logprobs(out, ask) if ask.start >= 0 else _no_input_logprobs(ask))
         meta["token_weight_versions"] = list(c.token_weight_versions)
         item = {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
         if index is not None:
@@ -205,36 +236,36 @@ class _GenerateView:
             events.append(self.item(chunk, acc, index))
         return events
 
-    def _input_logprobs(self, out: RequestOutput) -> dict[str, Any]:
+    def _input_logprobs(self, out: RequestOutput, ask: _LogprobAsk) -> dict[str, Any]:
         """SGLang's ``input_token_logprobs`` (and ``input_top_logprobs``): an entry per prompt token from
         ``logprob_start_len`` on, the first with a null logprob."""
         if out.prompt_logprobs is not None:
             self.prompt_lps[out.request_id] = out.prompt_logprobs
         entries = self.prompt_lps.get(out.request_id) or [None] * len(out.prompt_token_ids)
-        start = self.body.logprob_start_len
+        start = ask.start
         ids, entries = out.prompt_token_ids[start:], [None] + entries[start + 1:]
         meta: dict[str, Any] = {"input_token_logprobs": [[_finite(e[t].logprob) if e else None, t, self._text(t)]
                                                          for t, e in zip(ids, entries)]}
-        if self.body.top_logprobs_num:
-            meta["input_top_logprobs"] = [self._top(e) if e else None for e in entries]
+        if ask.top:
+            meta["input_top_logprobs"] = [self._top(e, ask.top) if e else None for e in entries]
         return meta
-
-    def _no_input_logprobs(self) -> dict[str, Any]:
-        """SGLang's prompt logprob fields for the default ``logprob_start_len`` (-1): present and empty, as SGLang
-        sends them with ``return_logprob`` (its scheduler starts the prompt logprobs past the prompt's end)."""
-        return {"input_token_logprobs": [], **({"input_top_logprobs": []} if self.body.top_logprobs_num else {})}
 
     def _text(self, token_id: int) -> str | None:
         if not self.body.return_text_in_logprobs or self.tokenizer is None:
             return None
         return self.tokenizer.decode([token_id])
 
-    def _top(self, entry: dict[int, Any]) -> list[list[Any]]:
-        """SGLang's top-k list of ``entry``: the k = ``top_logprobs_num`` best-ranked tokens, never more (a sampled
+    def _top(self, entry: dict[int, Any], k: int) -> list[list[Any]]:
+        """SGLang's top-k list of ``entry``: the k (``top_logprobs_num``) best-ranked tokens, never more (a sampled
         token tied with the k-th alternative, and not among them, also has a rank <= k)."""
-        k = self.body.top_logprobs_num
         ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k)
         return [[_finite(lp), tid, self._text(tid)] for _, tid, lp in ranked[:k]]
+
+
+def _no_input_logprobs(ask: _LogprobAsk) -> dict[str, Any]:
+    """SGLang's prompt logprob fields for the default ``logprob_start_len`` (-1): present and empty, as SGLang
+    sends them with ``return_logprob`` (its scheduler starts the prompt logprobs past the prompt's end)."""
+    return {"input_token_logprobs": [], **({"input_top_logprobs": []} if ask.top else {})}
 
 
 def _sample_version(out: RequestOutput, c: CompletionOutput) -> str:

@@ -8,7 +8,7 @@ OpenAI endpoints (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -126,6 +126,9 @@ class ChatCompletionRequest(OpenAICommon, ChatTemplateFields):
 
 # ---- SGLang native --------------------------------------------------------------------------------
 
+_TopK = Annotated[int, Field(ge=0)]
+_StartLen = Annotated[int, Field(ge=-1)]
+
 
 class GenerateRequest(Body):
     """``POST /generate`` (SGLang): ``text`` or ``input_ids`` (one prompt or a batch) and ``sampling_params``
@@ -134,9 +137,9 @@ class GenerateRequest(Body):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    return_logprob: bool = False
-    top_logprobs_num: int = Field(default=0, ge=0)  # <= the engine's max_logprobs
-    logprob_start_len: int = Field(default=-1, ge=-1)
+    return_logprob: bool | list[bool] = False                  # each of the three: one value, or one per prompt
+    top_logprobs_num: _TopK | list[_TopK] = 0                   # <= the engine's max_logprobs
+    logprob_start_len: _StartLen | list[_StartLen] = -1
     return_text_in_logprobs: bool = False
     return_routed_experts: bool = False
     routed_experts_start_len: int = Field(default=0, ge=0)
