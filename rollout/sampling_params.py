@@ -18,6 +18,12 @@ _ALIASES = {
     "no_stop_trim": "include_stop_str_in_output",    # SGLang: keep the matched stop string / token in the text
 }
 _LOGPROBS_MODES = ("raw", "processed")
+# SGLang's sampling parameters this engine does not implement, and what they do there: a clear "not supported"
+# naming the parameter rather than "unknown sampling parameter" (a null value is the default and is accepted)
+_UNSUPPORTED = {"regex": "constrained decoding", "json_schema": "constrained decoding",
+                "ebnf": "constrained decoding", "structural_tag": "constrained decoding",
+                "stop_regex": "regular-expression stop conditions", "logit_bias": "logit biases",
+                "custom_params": "custom logit processors", "stream_interval": "per-request stream intervals"}
 # temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / T would overflow float32 near 1e-38
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
@@ -44,6 +50,8 @@ class SamplingParams:
     num_hidden_layers, top_k], from position ``routed_experts_start_len`` (0 to the prompt length) on.
     ``detokenize=False`` (vLLM's) leaves the text empty and ``Logprob.decoded_token`` None (token ids only: no
     detokenizer work for the request); stop strings need the text, so they are a ValueError with it.
+    SGLang's parameters this engine does not implement (``regex``, ``json_schema``, ``ebnf``, ``structural_tag``,
+    ``stop_regex``, ``logit_bias``, ``custom_params``, ``stream_interval``) are a ValueError "<name> is not supported".
     """
 
     max_new_tokens: int | None = 128
@@ -79,6 +87,8 @@ class SamplingParams:
         seen: dict[str, str] = {}
         for key, value in kwargs.items():
             target = _ALIASES.get(key, key)
+            if key in _UNSUPPORTED:
+                raise ValueError(f"{key} is not supported: this engine has no {_UNSUPPORTED[key]}")
             if target not in names:
                 raise ValueError(f"unknown sampling parameter {key!r}")
             if target in seen and seen[target] != key:

@@ -341,3 +341,17 @@ def test_generate_takes_logprob_options_per_prompt_as_sglang_does(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs_num", r.text
     r = http.post("/generate", json={**body, "logprob_start_len": [1, -2]})
     assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["param"], r.text
+
+
+@pytest.mark.parametrize("name, value", [("regex", "[ab]+"), ("json_schema", '{"type": "object"}'),
+                                         ("ebnf", 'root ::= "a"'), ("stop_regex", "a+")])
+def test_generate_names_an_sglang_sampling_parameter_it_does_not_support(http, name, value):
+    """SGLang's constrained decoding (``regex``, ``json_schema``, ``ebnf``) and ``stop_regex`` are sampling parameters
+    there: a 400 saying "not supported" and naming the parameter, where it said "unknown sampling parameter" as for a
+    typo. A null value is SGLang's default and is accepted."""
+    body = {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 1, name: value}}
+    r = http.post("/generate", json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and f"{name} is not supported" in error["message"], r.text
+    assert "unknown" not in error["message"] and error["param"] == f"sampling_params.{name}", error
+    assert http.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 1, name: None}}).status_code == 200
