@@ -355,3 +355,26 @@ def test_generate_names_an_sglang_sampling_parameter_it_does_not_support(http, n
     assert r.status_code == 400 and f"{name} is not supported" in error["message"], r.text
     assert "unknown" not in error["message"] and error["param"] == f"sampling_params.{name}", error
     assert http.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 1, name: None}}).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_x_request_id_header_names_the_request(http, path, stream):
+    """vLLM takes a request's id from its ``X-Request-Id`` header before the body's ``request_id``
+    (``OpenAIServing._base_request_id``) and, with ``--enable-request-id-headers``, answers the header's value in its
+    own ``X-Request-Id``; a gateway's trace id thus names the request. The header was ignored: the response had a
+    fresh id, which ``/abort_request`` and the logs knew the request by."""
+    cases = [("/v1/completions", {"prompt": [4, 5, 6]}, "hdr-cmpl", "hdr-cmpl"),
+             ("/v1/completions", {"prompt": [[4, 5], [6, 7]], "request_id": "body-id"}, "hdr-two", "hdr-two"),
+             ("/v1/chat/completions", {"messages": CHAT, "request_id": "body-id"}, "hdr-chat", "hdr-chat"),
+             ("/v1/chat/completions", {"messages": CHAT, "request_id": "body-only"}, None, "body-only")]
+    for endpoint, body, header, want in cases:
+        headers = {"X-Request-Id": f"{header}-{stream}"} if header else {}
+        want = f"{want}-{stream}" if header else want
+        body = {"model": path, "max_tokens": 2, "stream": stream, **body}
+        if stream:
+            with http.stream("POST", endpoint, json=body, headers=headers) as r:
+                ids = {e["id"] for e in sse_events(r.iter_lines())}
+        else:
+            r = http.post(endpoint, json=body, headers=headers)
+            ids = {r.json()["id"]}
+        assert r.status_code == 200 and ids == {want} and r.headers["X-Request-Id"] == want, (endpoint, ids)

@@ -6,7 +6,8 @@ Responses carry ``usage`` (with ``prompt_tokens_details.cached_tokens``) and ``w
 ``return_token_ids`` each choice also has ``token_ids`` and ``prompt_token_ids``. Logprobs are raw (the
 model's own distribution) unless ``logprobs_mode="processed"``. A null ``max_tokens`` (and a chat request
 without one) generates until EOS or the context is full; a prompt plus ``max_tokens`` longer than the
-context is a 400. ``/v1/completions`` takes ``echo``: each choice's text (and, with ``logprobs``, its
+context is a 400. A request's id is its ``X-Request-Id`` header, else its ``request_id`` (vLLM's order), else a
+fresh one; the response returns it as ``id`` and in its ``X-Request-Id`` header. ``/v1/completions`` takes ``echo``: each choice's text (and, with ``logprobs``, its
 logprobs object) starts with the prompt's, the first prompt token's logprob null; ``max_tokens`` may be 0
 to score a prompt (lm-evaluation-harness's loglikelihood requests). Sampling fields a request leaves unset
 take the model's ``generation_config.json`` values (``--sampling-defaults model``, the default; vLLM and SGLang
@@ -63,7 +64,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                      prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
     count = len(texts or ids)
     # null max_tokens: until the context is full
-    rids = _rids(body, "cmpl-", count)
+    rids = _rids(body, request, "cmpl-", count)
     job = GenJob(texts, ids, [params] * count, rids, to_context=body.max_tokens is None,
                  max_tokens_cap=_max_tokens_cap(state), group_id=rids[0].rsplit("-", 1)[0] if count > 1 else None)
     view = OpenAIView(state, body, job, "text_completion", chat=False)
@@ -88,7 +89,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     k = (body.top_logprobs or 0) if body.logprobs else None
     params = _params(state, body, max_tokens, k)
-    job = GenJob(None, [prompt], [params], _rids(body, "chatcmpl-", 1), to_context=max_tokens is None,
+    job = GenJob(None, [prompt], [params], _rids(body, request, "chatcmpl-", 1), to_context=max_tokens is None,
                  length_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
                  max_tokens_cap=_max_tokens_cap(state))
     view = OpenAIView(state, body, job, "chat.completion", chat=True)
@@ -171,7 +172,10 @@ def _max_tokens_cap(state: ServerState) -> int | None:
     return state.require_engine().sampling_defaults.get("max_tokens")
 
 
-def _rids(body: OpenAICommon, prefix: str, count: int) -> list[str]:
-    if body.request_id is not None and count > 1:
-        return [f"{body.request_id}-{i}" for i in range(count)]
-    return request_ids(prefix, count, body.request_id)
+def _rids(body: OpenAICommon, request: Request, prefix: str, count: int) -> list[str]:
+    """One id per prompt: the ``X-Request-Id`` header's, else the body's ``request_id`` (vLLM's order,
+    ``_base_request_id``), with ``-<i>`` per prompt of several; fresh ``<prefix><hex>`` ones without either."""
+    given = request.headers.get("X-Request-Id") or body.request_id
+    if given is not None and count > 1:
+        return [f"{given}-{i}" for i in range(count)]
+    return request_ids(prefix, count, given)
