@@ -178,7 +178,7 @@ def test_top_logprobs_hold_k_entries_when_the_sampled_token_ties_the_kth():
                                    list(zip(top, out.top_logprobs[0, :k].tolist())), None)
             job = SimpleNamespace(group_id=None, rids=["r"], params=[SamplingParams()], size=1)
             body = SimpleNamespace(n=1, logprobs=True, top_logprobs=k, return_token_ids=False, echo=False,
-                                   stream_options=None)
+                                   stream_options=None, add_generation_prompt=True)
             state = SimpleNamespace(engine=None, args=SimpleNamespace(model_name="m"))
             chat = OpenAIView(state, body, job, "chat.completion", chat=True)._chat_logprobs(
                 CompletionOutput(index=0, token_ids=[tok], token_logprobs=[out.logprobs[0].item()], logprobs=[entry]))
@@ -378,3 +378,24 @@ def test_the_x_request_id_header_names_the_request(http, path, stream):
             r = http.post(endpoint, json=body, headers=headers)
             ids = {r.json()["id"]}
         assert r.status_code == 200 and ids == {want} and r.headers["X-Request-Id"] == want, (endpoint, ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_without_generation_prompt_answers_in_the_last_messages_role(http, path, stream):
+    """vLLM's chat role (``get_chat_request_role``): "assistant" after the generation prompt, else the last message's
+    role: ``add_generation_prompt: false`` continues that message (``continue_final_message`` a partial assistant
+    turn, or a user turn being completed). The role was always "assistant"."""
+    cases = [({"add_generation_prompt": False}, CHAT, "user"),
+             ({"add_generation_prompt": False, "continue_final_message": True},
+              CHAT + [{"role": "assistant", "content": "The sea is"}], "assistant"),
+             ({}, CHAT, "assistant")]
+    for options, messages, role in cases:
+        body = {"model": path, "messages": messages, "max_tokens": 2, "n": 2, "stream": stream, **options}
+        if stream:
+            with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                roles = [c["delta"]["role"] for e in sse_events(r.iter_lines()) for c in e["choices"]
+                         if "role" in c["delta"]]
+            assert roles == [role, role], (options, roles)
+        else:
+            r = http.post("/v1/chat/completions", json=body)
+            assert [c["message"]["role"] for c in r.json()["choices"]] == [role, role], (options, r.text)

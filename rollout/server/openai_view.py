@@ -31,6 +31,7 @@ class OpenAIView:
         self.id = job.group_id or job.rids[0]
         self.object = obj
         self.chat = chat
+        self.role = _response_role(body) if chat else None
         self.n = body.n
         self.logprobs = body.logprobs if not chat else ((body.top_logprobs or 0) if body.logprobs else None)
         self.token_ids = body.return_token_ids
@@ -66,11 +67,11 @@ class OpenAIView:
     # -- streams --
 
     def opening(self) -> list[dict[str, Any]]:
-        """Chat streams start with the assistant role for every choice."""
+        """Chat streams start with the response's role (``self.role``) for every choice."""
         if not self.chat:
             return []
         total = len(self.prompt_index) * self.n
-        chunks = [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        chunks = [self._chunk([{"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None,
                                 "finish_reason": None}]) for i in range(total)]
         if self.token_ids and self.prompt_ids is not None:  # vLLM: the stream's first chunk, at the top level
             chunks[0]["prompt_token_ids"] = self.prompt_ids
@@ -113,7 +114,7 @@ class OpenAIView:
         choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["delta" if delta else "message"] = {"content": c.text} if delta else \
-                {"role": "assistant", "content": c.text}
+                {"role": self.role, "content": c.text}
             choice["logprobs"] = self._chat_logprobs(c) if self.logprobs is not None else None
         else:
             echo = self._echo(out, index)
@@ -196,3 +197,9 @@ class OpenAIView:
             content.append({"token": text, "logprob": json_logprob(lp), "bytes": list(text.encode()),
                             "top_logprobs": top})
         return {"content": content}
+
+
+def _response_role(body: Any) -> str:
+    """A chat response's role, vLLM's ``get_chat_request_role``: "assistant" after the generation prompt, else the
+    last message's role (``add_generation_prompt: false`` continues that message's turn)."""
+    return "assistant" if body.add_generation_prompt else body.messages[-1].role
