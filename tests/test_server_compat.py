@@ -399,3 +399,28 @@ def test_chat_without_generation_prompt_answers_in_the_last_messages_role(http, 
         else:
             r = http.post("/v1/chat/completions", json=body)
             assert [c["message"]["role"] for c in r.json()["choices"]] == [role, role], (options, r.text)
+
+
+def test_chat_tools_are_checked_and_rendered_as_vllm_does_without_a_tool_parser(http, path):
+    """vLLM (``ChatCompletionRequest.check_tool_usage``, no ``--tool-call-parser``): ``"tools": []`` is a 400 (OpenAI's
+    check), tools without ``tool_choice`` ask for "auto", a 400 whose message clients recognise to retry without tools,
+    and ``tool_choice: "none"`` renders the tools in the chat template and generates. ``[]`` was accepted, and tools
+    with "none" refused."""
+    template = "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}" \
+               "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "sky", "parameters": {"type": "object", "properties": {}}}}]
+    body = {"model": path, "messages": CHAT, "max_tokens": 1, "chat_template": template, "return_token_ids": True}
+    r = http.post("/v1/chat/completions", json={**body, "tools": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools" and "empty array" in r.text, r.text
+    r = http.post("/v1/chat/completions", json={**body, "tools": tools})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'), r.text
+    for choice in ("required", {"type": "function", "function": {"name": "sky"}}):
+        r = http.post("/v1/chat/completions", json={**body, "tools": tools, "tool_choice": choice})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+    r = http.post("/v1/chat/completions", json={**body, "tools": tools, "tool_choice": "none"})
+    assert r.status_code == 200, r.text
+    want = http.post("/tokenize", json={"prompt": "[sky]" + "".join(m["content"] for m in CHAT),
+                                        "add_special_tokens": False}).json()["tokens"]
+    assert r.json()["prompt_token_ids"] == want
+    assert http.post("/v1/chat/completions", json={**body, "tool_choice": "none"}).status_code == 200

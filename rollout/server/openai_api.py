@@ -16,6 +16,7 @@ do the same), whose ``max_new_tokens`` also caps ``max_tokens``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -75,15 +76,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
     _check_common(state, body)
-    if body.tools or body.tool_choice not in (None, "none") or body.parallel_tool_calls:
-        raise APIError(400, "tools and tool_choice are not supported", "tools")
+    options = replace(body.template_options(), tools=_template_tools(body))
     if body.response_format not in (None, {"type": "text"}):
         raise APIError(400, "response_format is not supported", "response_format")
     if body.top_logprobs and not body.logprobs:  # vLLM's check and message
         raise APIError(400, "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     engine = state.require_engine()
     try:
-        prompt = engine.apply_chat_template([m.template_input() for m in body.messages], body.template_options())
+        prompt = engine.apply_chat_template([m.template_input() for m in body.messages], options)
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -139,6 +139,24 @@ def _check_common(state: ServerState, body: OpenAICommon) -> None:
         raise APIError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
     if body.routed_experts_start_len and not body.return_routed_experts:  # as /generate answers it
         raise APIError(400, "routed_experts_start_len needs return_routed_experts=true", "routed_experts_start_len")
+
+
+def _template_tools(body: ChatCompletionRequest) -> list[Any] | None:
+    """The ``tools`` the chat template renders, checked as vLLM checks them on a server without a tool-call parser:
+    an empty list is a 400 (vLLM's message); ``tool_choice: "none"`` renders the tools and calls none; tools without
+    a ``tool_choice`` ask for "auto", a 400 with vLLM's message (clients that fall back to plain text on it do);
+    "required", a named tool and ``parallel_tool_calls`` are a 400 "not supported" (vLLM forces them with
+    structured outputs, which this engine lacks)."""
+    if body.tools == []:
+        raise APIError(400, "`tools` must not be an empty array. Either provide at least one tool or omit the field "
+                       "entirely.", "tools")
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+    if choice == "auto":
+        raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+                       "(this server has no tool-call parser)", "tool_choice")
+    if choice != "none" or body.parallel_tool_calls:
+        raise APIError(400, "tool_choice other than \"none\" and parallel_tool_calls are not supported", "tool_choice")
+    return body.tools
 
 
 def _completion_prompts(prompt: Any) -> tuple[list[str] | None, list[list[int]] | None]:

@@ -120,7 +120,7 @@ HTTP_BAD = [
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400,
      "maximum context length"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, 400,
-     "tools and tool_choice are not supported"),
+     '"auto" tool choice requires'),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                       "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
