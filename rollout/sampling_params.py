@@ -24,6 +24,10 @@ _UNSUPPORTED = {"regex": "constrained decoding", "json_schema": "constrained dec
                 "ebnf": "constrained decoding", "structural_tag": "constrained decoding",
                 "stop_regex": "regular-expression stop conditions", "logit_bias": "logit biases",
                 "custom_params": "custom logit processors", "stream_interval": "per-request stream intervals"}
+# the most samples one request may ask for (vLLM's VLLM_MAX_N_SEQUENCES default): each sample is a sequence of its
+# own in the front end and the scheduler (a few KB each before any KV), so n=10**7 took tens of GB and hours
+# of submission work before a token was sampled, and the server died of it
+MAX_N = 16384
 # temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / T would overflow float32 near 1e-38
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
@@ -37,6 +41,7 @@ class SamplingParams:
     0 (the sampled token's logprob only) or k > 0 (also the top-k alternatives). Logprobs come from the
     model's raw distribution (``logprobs_mode="raw"``, the default) or from the distribution actually
     sampled from after penalties, temperature, top-k/top-p/min-p (``"processed"``).
+    ``n`` (1 to ``MAX_N``, 16384 as vLLM's default ``VLLM_MAX_N_SEQUENCES``) samples of the prompt.
     ``seed`` makes the sample depend only on (seed, sample index, token position), whatever else
     shares the batch; -1 means no seed (None), as in vLLM. ``max_tokens``/``min_tokens`` are accepted as
     aliases (vLLM's names), and SGLang's ``sampling_seed`` (``seed``) and ``no_stop_trim``
@@ -160,7 +165,7 @@ class SamplingParams:
         if self.max_new_tokens is not None:  # None: until the context ends (vLLM's max_tokens=None)
             _check_int(self, "max_new_tokens", lo=0)
         _check_int(self, "min_new_tokens", lo=0)
-        _check_int(self, "n", lo=1)
+        _check_int(self, "n", lo=1, hi=MAX_N)
         _check_int(self, "top_k", lo=-1)
         _check_float(self, "temperature", lo=0.0)
         _check_float(self, "top_p", lo=0.0, hi=1.0, lo_open=True)
