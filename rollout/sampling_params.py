@@ -191,7 +191,9 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        # each id once (in the given order): the scheduler's finish check and min_tokens' ban went through every
+        # entry for every token of every sample, so 200,000 copies of one id wedged the engine
+        self.stop_token_ids = list(dict.fromkeys(int(t) for t in self.stop_token_ids))
         _check_int(self, "routed_experts_start_len", lo=0)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
                      "spaces_between_special_tokens", "return_routed_experts", "detokenize"):

@@ -233,3 +233,15 @@ def test_sglang_names_no_stop_trim_and_sampling_seed(byte_level):
     assert _run_engine_side(byte_level, ids, params)[2] == "Paris. Then"
     with pytest.raises(ValueError, match="name the same setting"):
         SamplingParams(seed=1, sampling_seed=2)
+
+
+def test_repeated_stop_token_ids_are_kept_once_and_still_stop(byte_level):
+    """A stop_token_ids list of 200,000 copies of an id is that id once (in the given order): the finish check and
+    min_tokens' ban went through every copy for every token of every sample (a request of 64 samples with
+    min_tokens held the engine for 200 s and a tiny request beside it for 52 s)."""
+    ids = byte_level.encode("a.b.c.", add_special_tokens=False)
+    dot = byte_level.encode(".", add_special_tokens=False)[0]
+    params = SamplingParams(max_new_tokens=30, min_new_tokens=2, stop_token_ids=[0] * 200_000 + [dot, 0, dot])
+    assert params.stop_token_ids == [0, dot]
+    used, reason, _, _ = _run_engine_side(byte_level, ids, params)
+    assert (reason.matched, used) == (dot, ids.index(dot) + 1)

@@ -75,6 +75,7 @@ class Req:
         self.cached_tokens_known = False
         self.finished: FinishReason | None = None
         self.routed_experts: Any = None    # read from the KV pool's routing at finish (return_routed_experts)
+        self.stop_token_ids = frozenset(self.sampling.stop_token_ids)  # checked after every token: O(1)
         # tokens that a stop string can span: each token decodes to at least one byte
         self.stop_tail_len = max((len(s.encode("utf-8", "surrogatepass")) for s in self.sampling.stop), default=0)
 
@@ -153,7 +154,7 @@ class Req:
         n = len(self.output_ids)
         if n >= p.min_new_tokens:
             eos = not p.ignore_eos and last in self.eos_token_ids
-            if eos or last in p.stop_token_ids:
+            if eos or last in self.stop_token_ids:
                 self.finished = FinishReason("stop", matched=last, eos=eos and last in self.tokenizer_eos)
                 return
             if p.stop and tokenizer is not None:
