@@ -28,6 +28,11 @@ _UNSUPPORTED = {"regex": "constrained decoding", "json_schema": "constrained dec
 # own in the front end and the scheduler (a few KB each before any KV), so n=10**7 took tens of GB and hours
 # of submission work before a token was sampled, and the server died of it
 MAX_N = 16384
+# the most stop strings one request may give (TGI's max_stop_sequences, OpenAI's 4, made roomier): every one is
+# searched for after every token of every sample, in the scheduler and in the detokenizer that all requests share,
+# so 20,000 of them (a 400 KB body) slowed a tiny request beside a 64-sample one from 0.08 s to 5 s, and more
+# stalled the engine
+MAX_STOP_STRINGS = 64
 # temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / T would overflow float32 near 1e-38
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
@@ -42,6 +47,7 @@ class SamplingParams:
     model's raw distribution (``logprobs_mode="raw"``, the default) or from the distribution actually
     sampled from after penalties, temperature, top-k/top-p/min-p (``"processed"``).
     ``n`` (1 to ``MAX_N``, 16384 as vLLM's default ``VLLM_MAX_N_SEQUENCES``) samples of the prompt.
+    ``stop``: at most ``MAX_STOP_STRINGS`` (64) distinct strings, each searched for after every token.
     ``seed`` makes the sample depend only on (seed, sample index, token position), whatever else
     shares the batch; -1 means no seed (None), as in vLLM. ``max_tokens``/``min_tokens`` are accepted as
     aliases (vLLM's names), and SGLang's ``sampling_seed`` (``seed``) and ``no_stop_trim``
@@ -189,6 +195,9 @@ class SamplingParams:
             raise ValueError(f"logprobs_mode must be one of {_LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        self.stop = list(dict.fromkeys(self.stop))  # each once, in the given order (the first listed wins)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} distinct strings, got {len(self.stop)}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         # each id once (in the given order): the scheduler's finish check and min_tokens' ban went through every

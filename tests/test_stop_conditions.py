@@ -245,3 +245,12 @@ def test_repeated_stop_token_ids_are_kept_once_and_still_stop(byte_level):
     assert params.stop_token_ids == [0, dot]
     used, reason, _, _ = _run_engine_side(byte_level, ids, params)
     assert (reason.matched, used) == (dot, ids.index(dot) + 1)
+
+
+def test_repeated_stop_strings_are_kept_once_and_at_most_64_distinct_ones_are_taken():
+    """Each stop string is searched for after every token of every sample (scheduler and detokenizer): a list
+    is kept once per string, in its order, and more than ``MAX_STOP_STRINGS`` distinct ones are refused."""
+    assert SamplingParams(stop=["x"] * 1000 + ["y", "x"]).stop == ["x", "y"]
+    assert len(SamplingParams(stop=[f"s{i}" for i in range(64)] * 3).stop) == 64
+    with pytest.raises(ValueError, match="stop must hold at most 64 distinct strings, got 20000"):
+        SamplingParams(stop=[f"s{i}" for i in range(20000)])

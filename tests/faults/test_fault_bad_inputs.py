@@ -54,6 +54,8 @@ PY_BAD = [
     (lambda e: SamplingParams(n=16385), "n must be in [1, 16384], got 16385"),
     (dict(prompt_token_ids=P, sampling_params={"stop": 123}), "stop must be a string or a list of strings"),
     (dict(prompt_token_ids=P, sampling_params={"stop": [""]}), "non-empty strings"),
+    # every stop string is searched for after every token of every sample: 20,000 of them stalled the engine
+    (lambda e: SamplingParams(stop=[f"s{i}" for i in range(65)]), "stop must hold at most 64 distinct strings, got 65"),
     (dict(prompt_token_ids=P, sampling_params={"stop_token_ids": 5}), "stop_token_ids must be a list"),
     (dict(prompt_token_ids=P, sampling_params={"stop_token_ids": [-1]}), "stop_token_ids must be non-negative"),
     (dict(prompt_token_ids=P, sampling_params={"stop_token_ids": [10**6]}), "stop_token_ids out of vocabulary"),
@@ -118,6 +120,8 @@ HTTP_BAD = [
     ("POST", "/generate", {"input_ids": [5, 6], "sampling_params": {"n": 10**7}}, 400, "n must be in [1, 16384]"),
     ("POST", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "Requested sample logprobs of 21"),
     ("POST", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "'stop'"),
+    ("POST", "/v1/completions", {"prompt": "x", "stop": [f"zq{i}" for i in range(20000)]}, 400,
+     "stop must hold at most 64 distinct strings, got 20000"),
     ("POST", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of is not supported"),
     ("POST", "/v1/completions", {"prompt": "x", "top_p": 2}, 400, "top_p must be in"),
     ("POST", "/v1/completions", {"prompt": "x", "seed": "x"}, 400, "'seed'"),
