@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 
 from rollout.outputs import RequestOutput
-from rollout.sampling_params import SamplingParams
+from rollout.sampling_params import MAX_N, SamplingParams
 from rollout.server.errors import APIError, from_engine_error
 from rollout.server.state import ServerState
 from rollout.server.streaming import AbortingStreamResponse, ClientGone, cancel_on_disconnect
@@ -46,7 +46,9 @@ class GenJob:
     def engine_inputs(self, engine: Any) -> tuple[list[dict[str, Any]], list[SamplingParams]]:
         """Each prompt as the Engine takes it (``{"prompt", "prompt_token_ids"}``, text prompts tokenized here)
         and its SamplingParams. A prompt plus ``max_tokens`` longer than the context is a 400, as vLLM and
-        SGLang answer (the Python API instead ends such a request at the context's end)."""
+        SGLang answer (the Python API instead ends such a request at the context's end). More than ``MAX_N``
+        sequences in all (prompts times n) is a 400 too (``check_sequences``)."""
+        self.check_sequences()
         try:
             ids = self.token_ids or [engine.tokenizer_manager.tokenize(t) for t in self.texts]
         except ValueError as e:
@@ -67,6 +69,15 @@ class GenJob:
                                f"or of {self.length_param}.", self.length_param)
             params.append(p)
         return [{"prompt": t, "prompt_token_ids": list(i)} for t, i in zip(texts, ids)], params
+
+    def check_sequences(self) -> None:
+        """400 unless the request's prompts ask for at most ``MAX_N`` sequences in all (n per prompt, summed): n is
+        bounded per prompt, and 64 prompts of n=16384 in a 1 KB body were a million sequences, built in the event
+        loop before the first token (as n=10**7 was: gigabytes, /health unanswered)."""
+        total = sum(p.n for p in self.params)
+        if total > MAX_N:
+            raise APIError(400, f"a request may ask for at most {MAX_N} sequences (prompts times n), got {total} "
+                           f"({self.size} prompts); send fewer prompts per request", "n")
 
 
 def request_ids(prefix: str, count: int, given: str | list[str] | None = None) -> list[str]:

@@ -118,6 +118,11 @@ HTTP_BAD = [
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 10**7, "stream": True},
      400, "n must be in [1, 16384]"),
     ("POST", "/generate", {"input_ids": [5, 6], "sampling_params": {"n": 10**7}}, 400, "n must be in [1, 16384]"),
+    # n is bounded per prompt: prompts times n is bounded per request (64 x 16384 were a million sequences)
+    ("POST", "/generate", {"input_ids": [[5, 6]] * 2, "sampling_params": {"n": 16384, "max_new_tokens": 1}}, 400,
+     "at most 16384 sequences (prompts times n), got 32768 (2 prompts)"),
+    ("POST", "/v1/completions", {"prompt": [[5]] * 8193, "n": 2, "max_tokens": 1, "stream": True}, 400,
+     "at most 16384 sequences (prompts times n), got 16386"),
     ("POST", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "Requested sample logprobs of 21"),
     ("POST", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "'stop'"),
     ("POST", "/v1/completions", {"prompt": "x", "stop": [f"zq{i}" for i in range(20000)]}, 400,
