@@ -82,13 +82,14 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        num_heads = raw["num_attention_heads"]
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
         act = raw.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
         _check_biases(arch, raw)
         raw = _with_architecture_defaults(arch, raw)
+        num_heads = raw["num_attention_heads"]
+        # transformers' attention: the config's head_dim (Qwen3's class default 128 when left out), else H / heads
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
         window = _sliding_window(arch, raw)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
@@ -173,7 +174,7 @@ def _arch_from_model_type(model_type: str) -> str:
             "mixtral": "MixtralForCausalLM"}.get(model_type, model_type or "<missing>")
 
 
-_DEFAULTED_KEYS = ("rms_norm_eps", "max_position_embeddings", "num_key_value_heads")
+_DEFAULTED_KEYS = ("rms_norm_eps", "max_position_embeddings", "num_key_value_heads", "head_dim")
 _TRANSFORMERS_IMPORT = threading.Lock()
 
 
@@ -188,10 +189,11 @@ def import_transformers() -> Any:
 def _with_architecture_defaults(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
     """``raw`` with the keys a config.json may leave out that differ by architecture (the norm epsilon, the
     context, the rope theta: Mixtral's 1e-5 and 1e6, Llama's 1e-6 and 1e4; the KV heads: Llama's as many as
-    its attention heads, Mistral's 8; where a window applies (``_windowed``), ``sliding_window``: Mistral's
-    4096) filled in with the values transformers' config class for its ``model_type`` gives this config, as
-    transformers reads it. Configs that transformers wrote carry them all, and then transformers is not
-    imported."""
+    its attention heads, Mistral's 8; ``head_dim``: Qwen3's 128 whatever the hidden size, Llama's hidden size
+    over heads, and none from the classes without the key (Qwen2, Qwen3-MoE: their attention takes hidden size
+    over heads); where a window applies (``_windowed``), ``sliding_window``: Mistral's 4096) filled in with the
+    values transformers' config class for its ``model_type`` gives this config, as transformers reads it.
+    Configs that carry them all do not import transformers."""
     keys = _DEFAULTED_KEYS + (("sliding_window",) if _windowed(arch, raw) else ())
     rope = _rope_dict(raw)
     if all(k in raw for k in keys) and ("rope_theta" in raw or "rope_theta" in rope):

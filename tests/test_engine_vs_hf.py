@@ -77,18 +77,19 @@ def test_qwen2_q_k_v_biases_whatever_attention_bias_says(tmp_path, hf_reference)
     _check_greedy_against_transformers(path, hf_reference, [9, 4], seed=3)
 
 
-def _edit_config(path: str, **changes) -> None:
-    """Rewrite ``path``'s config.json with ``changes`` over it."""
+def _edit_config(path: str, drop: tuple[str, ...] = (), **changes) -> None:
+    """Rewrite ``path``'s config.json without the keys in ``drop`` and with ``changes`` over it."""
     import json
 
     with open(f"{path}/config.json") as f:
-        raw = json.load(f)
+        raw = {k: v for k, v in json.load(f).items() if k not in drop}
     with open(f"{path}/config.json", "w") as f:
         json.dump({**raw, **changes}, f)
 
 
-def _check_greedy_against_transformers(path: str, hf_reference, lengths: list[int], seed: int) -> None:
-    """Six greedy tokens of prompts of ``lengths`` equal transformers' ids, logprobs within 1e-4."""
+def _check_greedy_against_transformers(path: str, hf_reference, lengths: list[int], seed: int,
+                                       tol: float = 1e-4) -> None:
+    """Six greedy tokens of prompts of ``lengths`` equal transformers' ids, logprobs within ``tol``."""
     prompts = prompts_of_lengths(lengths, seed=seed)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, logprobs=0)
     with Engine(path, dtype="float32", device="cpu") as engine:
@@ -97,7 +98,42 @@ def _check_greedy_against_transformers(path: str, hf_reference, lengths: list[in
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf.greedy(prompt, 6)
         ref = hf.logprobs(prompt, out.outputs[0].token_ids)
-        assert max(abs(a - b) for a, b in zip(out.outputs[0].token_logprobs, ref)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(out.outputs[0].token_logprobs, ref)) < tol
+
+
+def _small_config(model_type: str, **keys) -> dict:
+    """transformers' config of ``model_type`` at a size that builds in a moment, as its ``to_dict`` writes it."""
+    from transformers import CONFIG_MAPPING
+
+    moe = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+           "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}.get(model_type, {})
+    return CONFIG_MAPPING[model_type](**{**dict(vocab_size=32, hidden_size=64, intermediate_size=32,
+                                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2),
+                                         **moe, **keys}).to_dict()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+def test_head_dim_a_config_leaves_out_is_the_size_transformers_attention_takes(model_type):
+    """A config.json without ``head_dim``: transformers' Qwen3 takes its class default, 128, whatever the hidden
+    size; the others hidden_size / num_attention_heads. The engine took 64 / 4 = 16 for Qwen3 too."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from rollout.config import ModelConfig
+
+    raw = _small_config(model_type)
+    raw.pop("head_dim", None)
+    hf = AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](**raw))
+    assert ModelConfig.from_dict(raw).head_dim == hf.model.layers[0].self_attn.head_dim
+
+
+def test_a_qwen3_config_without_head_dim_loads_as_transformers_loads_it(tmp_path, hf_reference):
+    """A Qwen3 checkpoint of 128-wide heads whose config.json leaves ``head_dim`` out (Qwen3Config's default):
+    it was refused at load ('wrong shape for ...k_norm.weight: expected [16], got [128]')."""
+    from tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(str(tmp_path / "qwen3"), "qwen3", head_dim=128)
+    _edit_config(path, drop=("head_dim",))
+    _check_greedy_against_transformers(path, hf_reference, [9, 4], seed=3, tol=1e-5)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
