@@ -19,6 +19,8 @@ _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM")  # sliding_window, when set, applies
 _SWITCHED_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # only with
 # use_sliding_window (off by default)
+_LAYER_TYPED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # and then only on the layers that layer_types
+# marks sliding_attention (Qwen3-MoE: on every layer)
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")  # auto: flashinfer on CUDA when installed
@@ -164,8 +166,16 @@ def _windowed(arch: str, raw: dict[str, Any]) -> bool:
 
 
 def _sliding_window(arch: str, raw: dict[str, Any]) -> int | None:
-    """The attention window as transformers applies it (``_windowed``), or None."""
-    return raw.get("sliding_window") if _windowed(arch, raw) else None
+    """The attention window as transformers applies it (``_windowed``), or None. Qwen2 and Qwen3 apply it only on
+    the layers their ``layer_types`` mark ``sliding_attention`` (by default those from ``max_window_layers`` on,
+    28 in their classes): with none marked, the model attends fully, however long the context. With some, the
+    window caps the context (``model_runner._context_len``), within which a windowed layer attends fully too."""
+    if not _windowed(arch, raw):
+        return None
+    layer_types = raw.get("layer_types")
+    if arch in _LAYER_TYPED_ARCHITECTURES and layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return raw.get("sliding_window")
 
 
 def _arch_from_model_type(model_type: str) -> str:
@@ -191,10 +201,13 @@ def _with_architecture_defaults(arch: str, raw: dict[str, Any]) -> dict[str, Any
     context, the rope theta: Mixtral's 1e-5 and 1e6, Llama's 1e-6 and 1e4; the KV heads: Llama's as many as
     its attention heads, Mistral's 8; ``head_dim``: Qwen3's 128 whatever the hidden size, Llama's hidden size
     over heads, and none from the classes without the key (Qwen2, Qwen3-MoE: their attention takes hidden size
-    over heads); where a window applies (``_windowed``), ``sliding_window``: Mistral's 4096) filled in with the
-    values transformers' config class for its ``model_type`` gives this config, as transformers reads it.
-    Configs that carry them all do not import transformers."""
+    over heads); where a window applies (``_windowed``), ``sliding_window``: Mistral's 4096, and for Qwen2 and
+    Qwen3 the ``layer_types`` their ``max_window_layers`` gives) filled in with the values transformers' config
+    class for its ``model_type`` gives this config, as transformers reads it. Configs that carry them all do not
+    import transformers."""
     keys = _DEFAULTED_KEYS + (("sliding_window",) if _windowed(arch, raw) else ())
+    if _windowed(arch, raw) and arch in _LAYER_TYPED_ARCHITECTURES:
+        keys += ("layer_types",)
     rope = _rope_dict(raw)
     if all(k in raw for k in keys) and ("rope_theta" in raw or "rope_theta" in rope):
         return raw

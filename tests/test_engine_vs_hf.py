@@ -53,6 +53,39 @@ def test_sliding_window_as_transformers_reads_the_config(model_type, use_sliding
     assert ModelConfig.from_dict(raw).sliding_window == want
 
 
+@pytest.mark.parametrize("keys", [dict(max_window_layers=28), dict(max_window_layers=1), dict(max_window_layers=0),
+                                  dict(max_window_layers=0, layer_types=["full_attention"] * 2),
+                                  dict(max_window_layers=2, layer_types=["full_attention", "sliding_attention"])],
+                         ids=["none-by-max_window_layers", "one-by-max_window_layers", "all", "none-by-layer_types",
+                              "one-by-layer_types"])
+@pytest.mark.parametrize("written_layer_types", [True, False], ids=["transformers-5", "transformers-4"])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_a_qwen_window_applies_only_where_a_layer_slides(model_type, written_layer_types, keys):
+    """Qwen2 and Qwen3 with ``use_sliding_window`` window only the layers their ``layer_types`` mark (by default
+    those from ``max_window_layers`` on, 28 in their classes): with none marked, transformers attends fully and
+    the engine must not cap the context at the window. transformers 4 wrote no ``layer_types``."""
+    from transformers import CONFIG_MAPPING
+
+    from rollout.config import ModelConfig
+
+    raw = _small_config(model_type, num_hidden_layers=2, use_sliding_window=True, sliding_window=8, **keys)
+    if not written_layer_types and "layer_types" not in keys:
+        raw.pop("layer_types")
+    hf = CONFIG_MAPPING[model_type](**raw)
+    want = hf.sliding_window if "sliding_attention" in hf.layer_types else None
+    assert ModelConfig.from_dict(raw).sliding_window == want
+
+
+def test_a_qwen_window_on_no_layer_keeps_the_whole_context(tmp_path, hf_reference):
+    """A Qwen2 checkpoint with ``use_sliding_window`` and an 8-token window, its two layers under
+    ``max_window_layers`` (28): transformers attends fully over a 20-token prompt; the engine capped the
+    context at 8 and refused the prompt."""
+    from tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(str(tmp_path / "qwen2"), "qwen2", use_sliding_window=True, sliding_window=8)
+    _check_greedy_against_transformers(path, hf_reference, [20, 4], seed=3, tol=1e-5)
+
+
 @pytest.mark.parametrize("model_type,flags", [("llama", {"attention_bias": True}), ("llama", {"mlp_bias": True}),
                                               ("qwen3", {"attention_bias": True})])
 def test_projection_biases_the_engine_lacks_are_refused_by_name(model_type, flags):
