@@ -79,11 +79,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], extra_eos: tuple[int, ...] = ()) -> "ModelConfig":
-        archs = raw.get("architectures") or []
-        arch = archs[0] if archs else _arch_from_model_type(raw.get("model_type", ""))
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = _architecture(raw)
         act = raw.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
@@ -178,10 +174,27 @@ def _sliding_window(arch: str, raw: dict[str, Any]) -> int | None:
     return raw.get("sliding_window")
 
 
-def _arch_from_model_type(model_type: str) -> str:
-    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "mixtral": "MixtralForCausalLM"}.get(model_type, model_type or "<missing>")
+_ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                               "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    """The model class to run, chosen as transformers' ``AutoModelForCausalLM`` chooses it: by ``model_type`` (its
+    config class), whatever ``architectures`` says (a Mistral labelled ``LlamaForCausalLM`` is a Mistral, its
+    window applied; a Qwen3 labelled ``Qwen3ForSequenceClassification`` a Qwen3 causal LM). Only a config without
+    ``model_type``, which transformers cannot load, falls back to ``architectures[0]``."""
+    archs = raw.get("architectures") or []
+    model_type = raw.get("model_type")
+    if model_type:
+        if model_type not in _ARCHITECTURE_OF_MODEL_TYPE:
+            raise ValueError(f"unsupported model_type {model_type!r} (architectures {archs}); supported: "
+                             f"{', '.join(_ARCHITECTURE_OF_MODEL_TYPE)}")
+        return _ARCHITECTURE_OF_MODEL_TYPE[model_type]
+    arch = archs[0] if archs else "<missing>"
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
 
 
 _DEFAULTED_KEYS = ("rms_norm_eps", "max_position_embeddings", "num_key_value_heads", "head_dim")

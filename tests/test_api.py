@@ -290,9 +290,9 @@ def test_a_bad_request_fails_only_its_caller(engine):
 def test_unsupported_architecture(tmp_path, path):
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    config["architectures"] = ["GPT2LMHeadModel"]
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'.*GPT2LMHeadModel"):
         Engine(str(tmp_path), device="cpu")
     with pytest.raises(ValueError, match="no config.json"):
         Engine(str(tmp_path / "missing"), device="cpu")

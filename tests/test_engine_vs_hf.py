@@ -86,6 +86,51 @@ def test_a_qwen_window_on_no_layer_keeps_the_whole_context(tmp_path, hf_referenc
     _check_greedy_against_transformers(path, hf_reference, [20, 4], seed=3, tol=1e-5)
 
 
+@pytest.mark.parametrize("model_type,architectures,window", [
+    ("mistral", ["LlamaForCausalLM"], 8), ("llama", ["MistralForCausalLM"], None),
+    ("qwen2", ["LlamaForCausalLM"], None), ("qwen3", ["Qwen3ForSequenceClassification"], None), ("qwen3", None, None),
+    ("qwen3_moe", ["MixtralForCausalLM"], None)])
+def test_the_model_is_chosen_by_model_type_as_transformers_chooses_it(model_type, architectures, window, tmp_path):
+    """transformers' AutoModelForCausalLM builds the class of the config's ``model_type``, whatever
+    ``architectures`` says; the engine took ``architectures[0]``: a Mistral labelled ``LlamaForCausalLM``
+    attended past its window without a word (a Llama labelled Mistral had its context cut at the window), a
+    Qwen2 labelled Llama was refused at load, a Qwen3 labelled as a classifier refused."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollout.config import ModelConfig
+
+    raw = _small_config(model_type, sliding_window=8)
+    raw.pop("architectures", None)
+    if architectures is not None:
+        raw["architectures"] = architectures
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(tmp_path)))
+    cfg = ModelConfig.from_dict(raw)
+    assert (cfg.architecture, cfg.sliding_window) == (type(hf).__name__, window)
+
+
+def test_a_qwen2_checkpoint_labelled_llama_loads_as_transformers_loads_it(tmp_path, hf_reference):
+    """A Qwen2 config.json whose ``architectures`` says ``LlamaForCausalLM``: transformers builds Qwen2 (its
+    ``model_type``); the engine built Llama and refused the checkpoint ('unknown parameter name ...k_proj.bias')."""
+    from tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(str(tmp_path / "qwen2"), "qwen2")
+    _edit_config(path, architectures=["LlamaForCausalLM"])
+    _check_greedy_against_transformers(path, hf_reference, [9, 4], seed=3, tol=1e-5)
+
+
+def test_a_model_type_the_engine_lacks_is_refused_whatever_architectures_says():
+    """A Qwen2-MoE config labelled ``Qwen2ForCausalLM`` is a Qwen2-MoE to transformers: refused by its model_type,
+    not run as a dense Qwen2."""
+    from rollout.config import ModelConfig
+
+    raw = {**_small_config("qwen2"), "model_type": "qwen2_moe", "architectures": ["Qwen2ForCausalLM"]}
+    with pytest.raises(ValueError, match="unsupported model_type 'qwen2_moe'"):
+        ModelConfig.from_dict(raw)
+
+
 @pytest.mark.parametrize("model_type,flags", [("llama", {"attention_bias": True}), ("llama", {"mlp_bias": True}),
                                               ("qwen3", {"attention_bias": True})])
 def test_projection_biases_the_engine_lacks_are_refused_by_name(model_type, flags):
