@@ -144,13 +144,18 @@ def _moe_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
                 sparse_layers=tuple(i for i in layers if i not in dense and (i + 1) % step == 0))
 
 
+_MLP_BIAS_ARCHITECTURES = ("LlamaForCausalLM",)  # whose transformers model reads mlp_bias
+_ATTENTION_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # attention_bias
+
+
 def _check_biases(arch: str, raw: dict[str, Any]) -> None:
-    """ValueError for projection biases the models here do not have: ``mlp_bias``, and ``attention_bias``
-    outside Qwen2 (where transformers' attention_bias would also put one on o_proj). Qwen2 ignores the flag:
-    its q/k/v always have biases, which are served, and its o_proj never has one."""
-    if raw.get("mlp_bias"):
-        raise ValueError("mlp_bias=true (biases on the MLP projections) is not supported")
-    if raw.get("attention_bias") and arch != "Qwen2ForCausalLM":
+    """ValueError for projection biases the models here do not have, where transformers' model reads the flag:
+    ``mlp_bias`` (Llama) and ``attention_bias`` (Llama, Qwen3, Qwen3-MoE: q/k/v and o_proj). The others ignore
+    the flags, and so does the engine: Mistral's and Mixtral's projections never have biases, nor Qwen's MLPs,
+    and Qwen2's q/k/v always do (served) and its o_proj never."""
+    if raw.get("mlp_bias") and arch in _MLP_BIAS_ARCHITECTURES:
+        raise ValueError(f"mlp_bias=true (biases on the MLP projections) is not supported for {arch}")
+    if raw.get("attention_bias") and arch in _ATTENTION_BIAS_ARCHITECTURES:
         raise ValueError(f"attention_bias=true (biases on q/k/v/o_proj) is not supported for {arch}")
 
 

@@ -132,7 +132,8 @@ def test_a_model_type_the_engine_lacks_is_refused_whatever_architectures_says():
 
 
 @pytest.mark.parametrize("model_type,flags", [("llama", {"attention_bias": True}), ("llama", {"mlp_bias": True}),
-                                              ("qwen3", {"attention_bias": True})])
+                                              ("qwen3", {"attention_bias": True}),
+                                              ("qwen3_moe", {"attention_bias": True})])
 def test_projection_biases_the_engine_lacks_are_refused_by_name(model_type, flags):
     """transformers puts these biases on q/k/v/o_proj or the MLP; refused naming the config flag, not later as
     an unknown checkpoint tensor."""
@@ -142,6 +143,37 @@ def test_projection_biases_the_engine_lacks_are_refused_by_name(model_type, flag
 
     with pytest.raises(ValueError, match=f"{next(iter(flags))}=true"):
         ModelConfig.from_dict(CONFIG_MAPPING[model_type](**flags).to_dict())
+
+
+@pytest.mark.parametrize("flag", ["attention_bias", "mlp_bias"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+def test_a_bias_flag_is_refused_where_transformers_adds_biases_the_engine_lacks(model_type, flag):
+    """Refused exactly where transformers' model gets projection biases from the flag (Qwen2's q/k/v biases are
+    always there, and served); elsewhere transformers ignores the flag, and so does the engine."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from rollout.config import ModelConfig
+
+    raw = _small_config(model_type, **{flag: True})
+    hf = AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](**raw))
+    served = ("q_proj.bias", "k_proj.bias", "v_proj.bias") if model_type == "qwen2" else ()
+    if any(n.endswith("bias") and not n.endswith(served) for n, _ in hf.named_parameters()):
+        with pytest.raises(ValueError, match=f"{flag}=true"):
+            ModelConfig.from_dict(raw)
+    else:
+        ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen3"])
+def test_bias_flags_transformers_ignores_are_ignored(model_type, tmp_path, hf_reference):
+    """``attention_bias`` / ``mlp_bias`` where transformers' model never reads them (Mistral's projections have
+    no biases, nor any Qwen MLP): transformers loads the checkpoint and runs it without biases; the engine
+    refused it ('mlp_bias=true ... is not supported')."""
+    from tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(str(tmp_path / model_type), model_type, sliding_window=None)
+    _edit_config(path, mlp_bias=True, **({} if model_type == "qwen3" else {"attention_bias": True}))
+    _check_greedy_against_transformers(path, hf_reference, [9, 4], seed=3, tol=1e-5)
 
 
 def test_qwen2_q_k_v_biases_whatever_attention_bias_says(tmp_path, hf_reference):
