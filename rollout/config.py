@@ -202,7 +202,11 @@ def _architecture(raw: dict[str, Any]) -> str:
     return arch
 
 
-_DEFAULTED_KEYS = ("rms_norm_eps", "max_position_embeddings", "num_key_value_heads", "head_dim")
+_DEFAULTED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "rms_norm_eps", "max_position_embeddings", "num_key_value_heads", "head_dim")
+# the experts' count is num_local_experts here, which Qwen3-MoE's num_experts stands for (its attribute_map)
+_MOE_DEFAULTED_KEYS = {"Qwen3MoeForCausalLM": ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size"),
+                       "MixtralForCausalLM": ("num_local_experts", "num_experts_per_tok")}
 _TRANSFORMERS_IMPORT = threading.Lock()
 
 
@@ -215,19 +219,20 @@ def import_transformers() -> Any:
 
 
 def _with_architecture_defaults(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` with the keys a config.json may leave out that differ by architecture (the norm epsilon, the
-    context, the rope theta: Mixtral's 1e-5 and 1e6, Llama's 1e-6 and 1e4; the KV heads: Llama's as many as
-    its attention heads, Mistral's 8; ``head_dim``: Qwen3's 128 whatever the hidden size, Llama's hidden size
+    """``raw`` with the keys a config.json may leave out that differ by architecture (the sizes, experts included:
+    Mixtral's 8 of top-2, Qwen3-MoE's 128 of top-8, 768 wide; the norm epsilon, the context, the rope theta:
+    Mixtral's 1e-5 and 1e6, Llama's 1e-6 and 1e4; the KV heads: Llama's as many as its attention heads,
+    Mistral's 8; ``head_dim``: Qwen3's 128 whatever the hidden size, Llama's hidden size
     over heads, and none from the classes without the key (Qwen2, Qwen3-MoE: their attention takes hidden size
     over heads); where a window applies (``_windowed``), ``sliding_window``: Mistral's 4096, and for Qwen2 and
     Qwen3 the ``layer_types`` their ``max_window_layers`` gives) filled in with the values transformers' config
     class for its ``model_type`` gives this config, as transformers reads it. Configs that carry them all do not
     import transformers."""
-    keys = _DEFAULTED_KEYS + (("sliding_window",) if _windowed(arch, raw) else ())
+    keys = _DEFAULTED_KEYS + _MOE_DEFAULTED_KEYS.get(arch, ()) + (("sliding_window",) if _windowed(arch, raw) else ())
     if _windowed(arch, raw) and arch in _LAYER_TYPED_ARCHITECTURES:
         keys += ("layer_types",)
     rope = _rope_dict(raw)
-    if all(k in raw for k in keys) and ("rope_theta" in raw or "rope_theta" in rope):
+    if all(_has_key(raw, k) for k in keys) and ("rope_theta" in raw or "rope_theta" in rope):
         return raw
     CONFIG_MAPPING = import_transformers().CONFIG_MAPPING
 
@@ -236,11 +241,15 @@ def _with_architecture_defaults(arch: str, raw: dict[str, Any]) -> dict[str, Any
         return raw
     hf = CONFIG_MAPPING[model_type](**{k: v for k, v in raw.items()
                                        if k not in ("architectures", "transformers_version")})
-    filled = {k: getattr(hf, k) for k in keys if k not in raw and hasattr(hf, k)}
+    filled = {k: getattr(hf, k) for k in keys if not _has_key(raw, k) and hasattr(hf, k)}
     theta = (hf.rope_parameters or {}).get("rope_theta")
     if "rope_theta" not in raw and "rope_theta" not in rope and theta is not None:
         filled["rope_theta"] = theta
     return {**raw, **filled}
+
+
+def _has_key(raw: dict[str, Any], key: str) -> bool:
+    return key in raw or (key == "num_local_experts" and "num_experts" in raw)
 
 
 def _rope_dict(raw: dict[str, Any]) -> dict[str, Any]:

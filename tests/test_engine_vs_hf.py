@@ -263,6 +263,39 @@ def test_keys_a_config_leaves_out_take_the_architectures_defaults(model_type):
         hf.rms_norm_eps, hf.max_position_embeddings, theta)
 
 
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_experts",
+         "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+def test_sizes_a_config_leaves_out_take_the_architectures_defaults(model_type):
+    """A config.json without its sizes, the experts' included, reads as transformers reads it: with its class's
+    defaults (Mixtral's 8 experts of top-2, Qwen3-MoE's 128 of top-8). The engine refused a Mixtral or
+    Qwen3-MoE config without its expert counts ('needs num_experts >= 1 ...') and failed with a bare KeyError
+    on one without hidden_size or moe_intermediate_size."""
+    from transformers import CONFIG_MAPPING
+
+    from rollout.config import ModelConfig
+
+    slim = {k: v for k, v in CONFIG_MAPPING[model_type]().to_dict().items() if k not in SIZES}
+    hf = CONFIG_MAPPING[model_type](**slim)
+    cfg = ModelConfig.from_dict(slim)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads) == (
+        hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.num_attention_heads)
+    if cfg.is_moe:
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+            hf.num_local_experts, hf.num_experts_per_tok, getattr(hf, "moe_intermediate_size", hf.intermediate_size))
+
+
+def test_a_mixtral_config_without_its_expert_counts_loads_as_transformers_loads_it(tmp_path, hf_reference):
+    """The tiny Mixtral has MixtralConfig's 8 experts of top-2; its config.json without them was refused."""
+    from tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(str(tmp_path / "mixtral"), "mixtral", sliding_window=None)
+    _edit_config(path, drop=("num_local_experts", "num_experts", "num_experts_per_tok"))
+    _check_greedy_against_transformers(path, hf_reference, [9, 4], seed=3, tol=1e-5)
+
+
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 
