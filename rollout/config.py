@@ -203,7 +203,10 @@ def _architecture(raw: dict[str, Any]) -> str:
 
 
 _DEFAULTED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                   "rms_norm_eps", "max_position_embeddings", "num_key_value_heads", "head_dim")
+                   "rms_norm_eps", "max_position_embeddings", "num_key_value_heads")
+# whose config class has a head_dim (Qwen2's and Qwen3-MoE's have none: their configs never carry it, and asking
+# for it would import transformers at every start)
+_HEAD_DIM_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen3ForCausalLM")
 # the experts' count is num_local_experts here, which Qwen3-MoE's num_experts stands for (its attribute_map)
 _MOE_DEFAULTED_KEYS = {"Qwen3MoeForCausalLM": ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size"),
                        "MixtralForCausalLM": ("num_local_experts", "num_experts_per_tok")}
@@ -229,6 +232,7 @@ def _with_architecture_defaults(arch: str, raw: dict[str, Any]) -> dict[str, Any
     class for its ``model_type`` gives this config, as transformers reads it. Configs that carry them all do not
     import transformers."""
     keys = _DEFAULTED_KEYS + _MOE_DEFAULTED_KEYS.get(arch, ()) + (("sliding_window",) if _windowed(arch, raw) else ())
+    keys += ("head_dim",) if arch in _HEAD_DIM_ARCHITECTURES else ()
     if _windowed(arch, raw) and arch in _LAYER_TYPED_ARCHITECTURES:
         keys += ("layer_types",)
     rope = _rope_dict(raw)
