@@ -109,13 +109,20 @@ def test_routed_experts_equal_transformers_routers(variant, tp, chunk, tiny_dir,
             np.testing.assert_array_equal(got, hf_routing(model, seq[:-1])[start:])
 
 
-def test_routed_experts_are_only_returned_when_asked_and_stream_ends_with_them(tiny_dir):
-    path = moe_path(tiny_dir, "qwen3_moe")
+@pytest.fixture(scope="module")
+def routing_engine(tiny_dir):
+    """An engine on the tiny Qwen3-MoE with ``enable_return_routed_experts``, shared by the tests below."""
+    with Engine(moe_path(tiny_dir, "qwen3_moe"), dtype="float32", device="cpu",
+                enable_return_routed_experts=True) as engine:
+        yield engine
+
+
+def test_routed_experts_are_only_returned_when_asked_and_stream_ends_with_them(routing_engine):
+    engine = routing_engine
     params = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
-    with Engine(path, dtype="float32", device="cpu", enable_return_routed_experts=True) as engine:
-        (plain,) = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)
-        chunks = list(engine.generate(prompt_token_ids=[[5, 6, 7]], stream=True,
-                                      sampling_params=params.clone(return_routed_experts=True)))
+    (plain,) = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)
+    chunks = list(engine.generate(prompt_token_ids=[[5, 6, 7]], stream=True,
+                                  sampling_params=params.clone(return_routed_experts=True)))
     assert plain.outputs[0].routed_experts is None
     assert all(c.outputs[0].routed_experts is None for c in chunks[:-1])
     assert chunks[-1].outputs[0].routed_experts.shape == (3 + 5 - 1, 2, 2)
@@ -138,7 +145,7 @@ def test_a_stream_delivers_each_samples_routed_experts_once():
     assert whole.outputs[0].routed_experts is rows[0] and whole.outputs[1].routed_experts is rows[1]
 
 
-def test_routed_experts_bad_requests_are_clear_errors(tiny_dir, path):
+def test_routed_experts_bad_requests_are_clear_errors(tiny_dir, path, routing_engine):
     moe = moe_path(tiny_dir, "qwen3_moe")
     ask = SamplingParams(max_new_tokens=2, return_routed_experts=True)
     with Engine(path, dtype="float32", device="cpu", enable_return_routed_experts=True) as dense:
@@ -152,12 +159,11 @@ def test_routed_experts_bad_requests_are_clear_errors(tiny_dir, path):
         SamplingParams(return_routed_experts="yes")
     with pytest.raises(ValueError, match="routed_experts_start_len must be in"):
         SamplingParams(routed_experts_start_len=-1)
-    with Engine(moe, dtype="float32", device="cpu", enable_return_routed_experts=True) as on:
-        with pytest.raises(ValueError, match=r"routed_experts_start_len \(3\) must be at most the prompt length \(2\)"):
-            on.generate(prompt_token_ids=[[5, 6]], sampling_params=ask.clone(routed_experts_start_len=3))
+    with pytest.raises(ValueError, match=r"routed_experts_start_len \(3\) must be at most the prompt length \(2\)"):
+        routing_engine.generate(prompt_token_ids=[[5, 6]], sampling_params=ask.clone(routed_experts_start_len=3))
 
 
-def test_an_aborted_request_returns_the_routing_of_its_partial_tokens(tiny_dir, hf_reference):
+def test_an_aborted_request_returns_the_routing_of_its_partial_tokens(tiny_dir, hf_reference, routing_engine):
     """SGLang finishes an aborted running request like any other (``maybe_collect_routed_experts`` once it is
     finished), so its final output carries the routing of the tokens it generated: what a partial rollout
     (``pause_generation(mode="abort")``, then resubmitted) replays. Here an abort returned no routing."""
@@ -165,11 +171,10 @@ def test_an_aborted_request_returns_the_routing_of_its_partial_tokens(tiny_dir, 
     model = hf_reference(path).model
     prompt = [5, 6, 7, 8]
     params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True, return_routed_experts=True)
-    with Engine(path, dtype="float32", device="cpu", enable_return_routed_experts=True) as engine:
-        stream = engine.generate(prompt_token_ids=[prompt], sampling_params=params, stream=True, request_id="r")
-        chunks = [next(stream)]
-        assert engine.abort("r")
-        chunks += list(stream)
+    stream = routing_engine.generate(prompt_token_ids=[prompt], sampling_params=params, stream=True, request_id="r")
+    chunks = [next(stream)]
+    assert routing_engine.abort("r")
+    chunks += list(stream)
     last = chunks[-1].outputs[0]
     tokens = [t for c in chunks for t in c.outputs[0].token_ids]
     assert last.finish_reason == "abort" and 0 < len(tokens) < 400
@@ -200,7 +205,7 @@ def test_a_max_tokens_0_request_returns_the_routing_of_its_prompt(tiny_dir, hf_r
     assert plain.outputs[0].routed_experts is None and plain.outputs[0].finish_reason == "length"
 
 
-def test_multi_turn_rows_concatenate_with_start_len_the_rows_already_held(tiny_dir, hf_reference):
+def test_multi_turn_rows_concatenate_with_start_len_the_rows_already_held(tiny_dir, hf_reference, routing_engine):
     """docs/moe.md's multi-turn recipe: the next turn's prompt is the previous prompt + completion + new tokens,
     asked with ``routed_experts_start_len`` = the rows already held (previous sequence length - 1, since its
     last token went through the model only in the next turn); the concatenated rows are the routing of every
@@ -209,13 +214,13 @@ def test_multi_turn_rows_concatenate_with_start_len_the_rows_already_held(tiny_d
     model = hf_reference(path).model
     prompt = prompts_of_lengths([11], seed=5)[0]
     params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, return_routed_experts=True)
-    with Engine(path, dtype="float32", device="cpu", enable_return_routed_experts=True) as engine:
-        (first,) = engine.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
-        held = first.outputs[0].routed_experts
-        turn2 = prompt + first.outputs[0].token_ids + [7, 8, 9]
-        assert len(held) == len(prompt) + len(first.outputs[0].token_ids) - 1
-        (second,) = engine.generate(prompt_token_ids=[turn2], use_tqdm=False,
-                                    sampling_params=params.clone(routed_experts_start_len=len(held)))
+    engine = routing_engine
+    (first,) = engine.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+    held = first.outputs[0].routed_experts
+    turn2 = prompt + first.outputs[0].token_ids + [7, 8, 9]
+    assert len(held) == len(prompt) + len(first.outputs[0].token_ids) - 1
+    (second,) = engine.generate(prompt_token_ids=[turn2], use_tqdm=False,
+                                sampling_params=params.clone(routed_experts_start_len=len(held)))
     seq = turn2 + second.outputs[0].token_ids
     rows = np.concatenate([held, second.outputs[0].routed_experts])
     np.testing.assert_array_equal(rows, hf_routing(model, seq[:-1]))
