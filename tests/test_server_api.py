@@ -502,3 +502,24 @@ def test_metrics_parse_and_move_with_traffic(http):
         "rollout_request_finished_total{finish_reason=length}", 0)
     assert 0 < after["rollout_cache_hit_rate"] <= 1
     assert after["rollout_gen_throughput"] > 0
+
+
+def test_a_method_an_endpoint_does_not_take_is_a_405_naming_the_allowed_ones():
+    """HEAD, OPTIONS or GET on an endpoint that takes other methods is a JSON 405 with the ``Allow`` header RFC 9110
+    requires (the error handler dropped it) and a message naming the allowed methods. In process: no engine."""
+    from rollout.server.app import create_app
+    from rollout.server.server_args import ServerArgs
+
+    async def call(method: str, path: str) -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(ServerArgs("/m")))
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+            return await client.request(method, path)
+
+    for method, path, allowed in [("OPTIONS", "/v1/completions", {"POST"}), ("GET", "/generate", {"POST"}),
+                                  ("HEAD", "/health", {"GET"}), ("PUT", "/flush_cache", {"GET", "POST"})]:
+        r = asyncio.run(call(method, path))
+        assert r.status_code == 405, (method, path, r.status_code)
+        assert set(r.headers.get("allow", "").split(", ")) == allowed, (method, path, r.headers)
+        if method != "HEAD":
+            message = r.json()["message"] if "success" in r.json() else r.json()["error"]["message"]
+            assert f"not allowed on {path} (allowed: {r.headers['allow']})" in message, message

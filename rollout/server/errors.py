@@ -112,7 +112,11 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:
             message = f"no endpoint {request.method} {request.url.path}"
-        return error_response(request, exc.status_code, message)
+        if exc.status_code == 405 and exc.headers and "Allow" in exc.headers:
+            message = f"method {request.method} is not allowed on {request.url.path} (allowed: {exc.headers['Allow']})"
+        response = error_response(request, exc.status_code, message)
+        response.headers.update(exc.headers or {})  # e.g. a 405's Allow, which RFC 9110 requires
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
