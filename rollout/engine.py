@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from types import MappingProxyType
-from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 
 from rollout import engine_outputs
 from rollout.config import EngineConfig, ModelConfig, import_transformers
@@ -43,11 +43,14 @@ class Engine:
 
     ``Engine(model_path, tp_size=1, dtype="auto", device=None, **options)``; options are the fields of
     ``EngineConfig``. Use as a context manager or call ``shutdown()``; children also stop at interpreter
-    exit and when this process dies. Implements ``rollout.engine_handle.EngineHandle``.
+    exit and when this process dies. ``start_cancelled``: polled while the subprocesses start; once it returns
+    True the start is abandoned (``rollout.launcher.StartCancelled``), nothing left behind (the HTTP server stopping
+    while its engine loads). Implements ``rollout.engine_handle.EngineHandle``.
     """
 
     def __init__(self, model_path: str | None = None, *, model: str | None = None, tp_size: int = 1,
-                 dtype: str = "auto", device: str | None = None, **options: Any) -> None:
+                 dtype: str = "auto", device: str | None = None, start_cancelled: Callable[[], bool] | None = None,
+                 **options: Any) -> None:
         path = model_path or model
         if not path:
             raise ValueError("Engine needs a model path")
@@ -66,7 +69,7 @@ class Engine:
                              f"({self.model_config.vocab_size})")
         self.sampling_defaults = _model_sampling_defaults(self.config)
         self.tokenizer = None if self.config.skip_tokenizer_init else _load_tokenizer(self.config)
-        self._procs = launch(self.config, self.tokenizer)
+        self._procs = launch(self.config, self.tokenizer, start_cancelled)
         self.tokenizer_manager = TokenizerManager(self.config, self._procs.paths, self.model_config,
                                                   self.tokenizer, self._procs.context_len, self._procs.alive)
         self._closed = False

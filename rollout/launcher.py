@@ -31,6 +31,10 @@ class ChildStartError(RuntimeError):
     """A subprocess failed while starting; carries its traceback."""
 
 
+class StartCancelled(RuntimeError):
+    """``launch`` was told to stop (its ``cancelled()`` became true) before the subprocesses were ready."""
+
+
 class ChildProcess:
     """One engine subprocess: ``target(*args, ready)`` run in a fresh interpreter, where ``ready`` is the
     write end of ``self.ready`` (the child reports readiness or its start-up error there). The interface
@@ -118,10 +122,13 @@ class EngineProcesses:
         self.paths.remove()
 
 
-def launch(config: EngineConfig, tokenizer: Any = None) -> EngineProcesses:
+def launch(config: EngineConfig, tokenizer: Any = None, cancelled: Callable[[], bool] | None = None
+           ) -> EngineProcesses:
     """Start the detokenizer and one scheduler per TP rank; raise with the child's error if one fails.
     ``tokenizer``: the caller's, loaded from ``config``; the detokenizer takes a copy of it (a pickle) rather than
-    loading its own, which imports torch and the model's config class."""
+    loading its own, which imports torch and the model's config class. ``cancelled``: polled while the children
+    start (every half second at most); once it returns True the start is abandoned (StartCancelled), its children
+    stopped and its IPC directory removed, as for a failed start."""
     from rollout.detokenizer import run_detokenizer_process
     from rollout.scheduler.process import run_scheduler_process
 
@@ -133,8 +140,9 @@ def launch(config: EngineConfig, tokenizer: Any = None) -> EngineProcesses:
         targets.append((run_detokenizer_process, (config, engine.paths, _pickled(tokenizer)), "rollout-detokenizer"))
     try:
         for target, args, name in targets:
+            _check_cancelled(cancelled)
             engine.procs.append(ChildProcess(target, args, name))
-        infos = _wait_ready(engine.procs)
+        infos = _wait_ready(engine.procs, cancelled)
     except BaseException:
         for p in engine.procs:
             p.kill()
@@ -170,13 +178,20 @@ def check_devices(config: EngineConfig) -> None:
                          f"but torch sees {torch.cuda.device_count()}")
 
 
-def _wait_ready(procs: list[ChildProcess]) -> list[dict[str, Any]]:
-    """Every child's readiness report, in order; the first failure of any child raises at once."""
+def _check_cancelled(cancelled: Callable[[], bool] | None) -> None:
+    if cancelled is not None and cancelled():
+        raise StartCancelled("the engine's start was cancelled")
+
+
+def _wait_ready(procs: list[ChildProcess], cancelled: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+    """Every child's readiness report, in order; the first failure of any child (or ``cancelled()``) raises at
+    once."""
     from multiprocessing.connection import wait
 
     infos: list[dict[str, Any] | None] = [None] * len(procs)
     deadline = time.monotonic() + _START_TIMEOUT_S
     while any(info is None for info in infos):
+        _check_cancelled(cancelled)
         if time.monotonic() > deadline:
             raise ChildStartError(f"engine subprocesses did not become ready within {_START_TIMEOUT_S:.0f} s")
         pending = [p.ready for p, info in zip(procs, infos) if info is None]

@@ -47,6 +47,28 @@ def test_shutdown_leaves_no_children(tiny_dir):
     assert set(glob.glob("/dev/shm/psm_*")) <= segments, "the refused push left its shared-memory segment behind"
 
 
+def test_a_cancelled_start_stops_its_children_and_removes_its_ipc_directory(tiny_dir, tmp_path, monkeypatch):
+    """``start_cancelled`` turning true while the subprocesses start (here: as soon as they exist) abandons the
+    start at once with StartCancelled, and leaves neither children nor the IPC directory behind."""
+    from rollout.launcher import StartCancelled
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where IPCPaths.create puts the IPC directory
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
+    started: list[int] = []
+
+    def cancelled() -> bool:
+        started[:] = [p.pid for p in me.children() if p.pid not in before]
+        return bool(started)
+
+    t0 = time.monotonic()
+    with pytest.raises(StartCancelled, match="cancelled"):
+        Engine(tiny_dir("llama"), device="cpu", start_cancelled=cancelled)
+    assert time.monotonic() - t0 < 30 and started
+    assert _gone(started)
+    assert not glob.glob(str(tmp_path / "rollout-ipc-*"))
+
+
 def test_child_startup_error_reaches_the_caller(tiny_dir, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_dir("llama"), broken)

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import glob
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -93,6 +96,31 @@ def test_engine_start_failure_exits_nonzero_with_the_reason(tmp_path):
         server.stop()
     assert code == 1, log
     assert "the engine failed to start" in log and "config.json" in log
+
+
+def test_a_server_stopped_while_its_engine_loads_leaves_nothing_behind(path, tmp_path, monkeypatch):
+    """SIGTERM while the engine's subprocesses start: the server exits cleanly, and neither they nor the engine's
+    IPC directory outlive it. The start thread was left running and uvicorn's re-raised SIGTERM ended the process
+    under it: the children died by their parent watch and ``rollout-ipc-*`` stayed in the temp directory."""
+    import psutil
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the server's temp directory: where its IPC directory goes
+    server = ServerProcess(path)
+    deadline = time.monotonic() + 120
+    while not psutil.Process(server.proc.pid).children():  # the engine's subprocesses are starting
+        assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
+        time.sleep(0.02)
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    try:
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(60)
+        log = server.log()
+    finally:
+        assert server.stop(), "the server did not shut down cleanly"
+    assert "engine ready" not in log, "the engine was ready before the signal: nothing was checked"
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive
+    assert not glob.glob(str(tmp_path / "rollout-ipc-*")), "the engine's IPC directory was left behind"
 
 
 def test_help_lists_the_flags():

@@ -22,6 +22,8 @@ from rollout.server.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+_START_ABANDON_TIMEOUT_S = 60.0  # how long shutdown waits for a start in progress to stop (it polls every 0.5 s)
+
 
 class ServerState:
     """The server's one Engine and its bookkeeping: in-flight request ids, the open weight-sync session."""
@@ -38,23 +40,28 @@ class ServerState:
         self.created = int(time.time())
         self._factory = engine_factory
         self._thread: threading.Thread | None = None
-        self._closed = False
+        self._closing = threading.Event()
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def start(self, on_failure: Callable[[str], None] | None = None) -> None:
-        """Start the Engine in a background thread; ``on_failure(message)`` if it cannot start."""
+        """Start the Engine in a background thread; ``on_failure(message)`` if it cannot start. The factory
+        (``engine_factory``, default ``Engine``) gets the engine kwargs and ``start_cancelled``, which turns true
+        once ``shutdown`` is called."""
         def run() -> None:
             try:
                 factory = self._factory or _default_engine
-                engine = factory(**self.args.engine_kwargs())
+                engine = factory(**self.args.engine_kwargs(), start_cancelled=self._closing.is_set)
             except BaseException as e:  # noqa: BLE001 - reported, the launcher exits
+                if self._closing.is_set():  # abandoned by shutdown: not a failure
+                    logger.info("the server stopped before the engine was ready (%s)", e)
+                    return
                 self.error = f"the engine failed to start: {type(e).__name__}: {e}"
                 logger.error(self.error)
                 if on_failure is not None:
                     on_failure(self.error)
                 return
-            if self._closed:
+            if self._closing.is_set():
                 engine.shutdown()
                 return
             self.engine = engine
@@ -66,8 +73,14 @@ class ServerState:
         self._thread.start()
 
     def shutdown(self) -> None:
-        """Stop the Engine (idempotent)."""
-        self._closed = True
+        """Stop the Engine (idempotent). An engine still starting is abandoned and its start awaited, so that
+        its subprocesses and IPC directory are gone when this returns (the process may exit right after: uvicorn
+        re-raises SIGTERM; the start thread, a daemon, died with it and left them behind)."""
+        self._closing.set()
+        if self._thread is not None:
+            self._thread.join(_START_ABANDON_TIMEOUT_S)
+            if self._thread.is_alive():
+                logger.warning("the engine's start did not stop within %g s", _START_ABANDON_TIMEOUT_S)
         if self.engine is not None:
             self.engine.shutdown()
         self.pool.shutdown(wait=False, cancel_futures=True)
