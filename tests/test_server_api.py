@@ -523,3 +523,59 @@ def test_a_method_an_endpoint_does_not_take_is_a_405_naming_the_allowed_ones():
         if method != "HEAD":
             message = r.json()["message"] if "success" in r.json() else r.json()["error"]["message"]
             assert f"not allowed on {path} (allowed: {r.headers['allow']})" in message, message
+
+
+def test_a_request_cancelled_by_the_servers_shutdown_gets_a_json_503_and_is_aborted():
+    """uvicorn cancels the requests still running when its graceful shutdown times out (5 s): a non-streamed one
+    answers a JSON 503 saying the server is shutting down, and its engine request is aborted; it was uvicorn's bare
+    text/plain 500 "Internal Server Error". In process: the app called as uvicorn calls it, on a stub engine whose
+    generation never ends."""
+    from types import SimpleNamespace
+
+    from rollout.server.app import create_app
+    from rollout.server.server_args import ServerArgs
+    from rollout.server.state import ServerState
+
+    async def scenario() -> tuple[list[dict], bool]:
+        entered, aborted = asyncio.Event(), []
+
+        async def async_generate(prompts, params, request_id):
+            entered.set()
+            try:
+                await asyncio.Event().wait()  # generation never ends
+            except asyncio.CancelledError:
+                aborted.append(request_id)
+                raise
+
+        state = ServerState(ServerArgs("/m"))
+        state.engine = SimpleNamespace(tokenizer_manager=SimpleNamespace(dead=None), tokenizer=None, context_len=64,
+                                       async_generate=async_generate)
+        app = create_app(ServerArgs("/m"), state)
+        body = json.dumps({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/generate", "raw_path": b"/generate", "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json"), (b"host", b"server")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop()
+            await asyncio.Event().wait()  # the client stays connected
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        task = asyncio.ensure_future(app(scope, receive, send))
+        await asyncio.wait_for(entered.wait(), 10)
+        task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")  # what uvicorn does
+        await asyncio.wait_for(task, 10)
+        await asyncio.sleep(0)  # the engine call's cancellation runs
+        return sent, bool(aborted)
+
+    sent, aborted = asyncio.run(scenario())
+    assert sent and sent[0]["type"] == "http.response.start" and sent[0]["status"] == 503, sent
+    answer = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert "shutting down" in answer["error"]["message"] and answer["error"]["code"] == 503, answer
+    assert aborted, "the engine request was not aborted"

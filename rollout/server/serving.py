@@ -7,6 +7,7 @@ body into a ``GenJob`` and uses ``run_job`` (all outputs at once) or ``open_stre
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -112,7 +113,9 @@ def sampling_params(values: dict[str, Any], param: str = "sampling_params") -> S
 
 
 async def run_job(state: ServerState, request: Request, job: GenJob) -> list[RequestOutput]:
-    """Generate everything; abort if the client disconnects first (then ClientGone)."""
+    """Generate everything; abort if the client disconnects first (then ClientGone). Cancelled (uvicorn cancels
+    the requests still running when its graceful shutdown times out) it aborts and answers a 503 saying so: the
+    client got uvicorn's bare text/plain 500 "Internal Server Error"."""
     engine = state.require_engine()
     prompts, params = job.engine_inputs(engine)
     state.track(job)
@@ -121,6 +124,9 @@ async def run_job(state: ServerState, request: Request, job: GenJob) -> list[Req
     except ClientGone:
         state.metrics.disconnects.inc()
         raise
+    except asyncio.CancelledError:
+        _uncancel()
+        raise APIError(503, "the server is shutting down: the request was aborted before it finished") from None
     except (ValueError, RuntimeError) as e:
         raise from_engine_error(e) from None
     finally:
@@ -174,6 +180,13 @@ class StreamJob:
                 for rid in self.job.rids:
                     engine.abort(rid)
         self.state.untrack(self.job)
+
+
+def _uncancel() -> None:
+    """This task handles its cancellation itself (it answers instead): undo the request, as asyncio asks."""
+    task = asyncio.current_task()
+    if task is not None and hasattr(task, "uncancel"):  # Python 3.11+
+        task.uncancel()
 
 
 def _record_finished(state: ServerState, out: RequestOutput, job: GenJob) -> None:
