@@ -166,7 +166,7 @@ HTTP_BAD = [
                                             "world_size": 2}, 400, "'master_port'"),
     ("POST", "/get_weights_by_name", {"name": "model.nope.weight"}, 400, "unknown parameter name"),
     ("POST", "/no_such_endpoint", {}, 404, "no endpoint"),
-    ("GET", "/v1/completions", None, 405, "Method Not Allowed"),
+    ("GET", "/v1/completions", None, 405, "method GET is not allowed on /v1/completions (allowed: POST)"),
 ]
 
 
