@@ -579,3 +579,37 @@ def test_a_request_cancelled_by_the_servers_shutdown_gets_a_json_503_and_is_abor
     answer = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
     assert "shutting down" in answer["error"]["message"] and answer["error"]["code"] == 503, answer
     assert aborted, "the engine request was not aborted"
+
+
+def test_tokenizing_a_huge_prompt_does_not_stall_the_server():
+    """Tokenizing runs on the server's tokenizer thread: a 16 MB prompt to /tokenize took 35 s inside the event loop,
+    and /health went unanswered meanwhile. In process, with a tokenizer whose encode waits until /health answered
+    (at most 10 s): the health check must come back while the encode is still running."""
+    import threading
+    from types import SimpleNamespace
+
+    from rollout.server.app import create_app
+    from rollout.server.server_args import ServerArgs
+    from rollout.server.state import ServerState
+
+    started, health_answered = threading.Event(), threading.Event()
+
+    class SlowTokenizer:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            started.set()
+            return [1, 2, 3] if health_answered.wait(10) else []  # [] : /health waited for this encode
+
+    async def scenario() -> tuple[int, dict]:
+        state = ServerState(ServerArgs("/m"))
+        state.engine = SimpleNamespace(tokenizer=SlowTokenizer(), context_len=64,
+                                       tokenizer_manager=SimpleNamespace(dead=None))
+        transport = httpx.ASGITransport(app=create_app(ServerArgs("/m"), state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+            tokenized = asyncio.create_task(client.post("/tokenize", json={"prompt": "a huge prompt"}))
+            await asyncio.to_thread(started.wait, 10)
+            health = await client.get("/health")
+            health_answered.set()
+            return health.status_code, (await tokenized).json()
+
+    status, tokenized = asyncio.run(scenario())
+    assert status == 200 and tokenized["tokens"] == [1, 2, 3], tokenized

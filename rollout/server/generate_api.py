@@ -71,8 +71,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         raise APIError(400, f"{chat_only[0]} applies to 'messages' only", chat_only[0])
     if body.messages is not None:
         try:
-            tokens: Any = engine.apply_chat_template([m.template_input() for m in body.messages],
-                                                     body.template_options())
+            tokens: Any = await state.tokenize(engine.apply_chat_template,
+                                               [m.template_input() for m in body.messages], body.template_options())
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         count: Any = len(tokens)
@@ -83,7 +83,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
             check_unicode(p, "the prompt")
     except ValueError as e:
         raise APIError(400, str(e), "prompt") from None
-    tokens = [tokenizer.encode(p, add_special_tokens=body.add_special_tokens) for p in prompts]
+    tokens = await state.tokenize(lambda: [tokenizer.encode(p, add_special_tokens=body.add_special_tokens)
+                                           for p in prompts])
     count = [len(t) for t in tokens]
     if isinstance(body.prompt, str):
         tokens, count = tokens[0], count[0]
@@ -99,7 +100,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
         raise APIError(400, f"token ids out of vocabulary [0, {vocab}): {bad[:5]}", "tokens")
-    text = tokenizer.decode(body.tokens, skip_special_tokens=body.skip_special_tokens)
+    text = await state.tokenize(tokenizer.decode, body.tokens, skip_special_tokens=body.skip_special_tokens)
     return {"text": text, "prompt": text}  # SGLang's key and vLLM's (DetokenizeResponse.prompt)
 
 

@@ -83,7 +83,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         raise APIError(400, "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     engine = state.require_engine()
     try:
-        prompt = engine.apply_chat_template([m.template_input() for m in body.messages], options)
+        prompt = await state.tokenize(engine.apply_chat_template, [m.template_input() for m in body.messages], options)
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

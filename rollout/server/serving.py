@@ -117,7 +117,7 @@ async def run_job(state: ServerState, request: Request, job: GenJob) -> list[Req
     the requests still running when its graceful shutdown times out) it aborts and answers a 503 saying so: the
     client got uvicorn's bare text/plain 500 "Internal Server Error"."""
     engine = state.require_engine()
-    prompts, params = job.engine_inputs(engine)
+    prompts, params = await state.tokenize(job.engine_inputs, engine)
     state.track(job)
     try:
         outs = await cancel_on_disconnect(request, engine.async_generate(prompts, params, request_id=job.rids))
@@ -140,7 +140,7 @@ async def run_job(state: ServerState, request: Request, job: GenJob) -> list[Req
 async def open_stream(state: ServerState, job: GenJob) -> AsyncIterator[RequestOutput]:
     """Validate and submit now (a bad request is an APIError before any event is sent); iterate later."""
     engine = state.require_engine()
-    prompts, params = job.engine_inputs(engine)
+    prompts, params = await state.tokenize(job.engine_inputs, engine)
     try:
         stream = await engine.async_generate(prompts, params, request_id=job.rids, stream=True)
     except (ValueError, RuntimeError) as e:

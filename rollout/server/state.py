@@ -34,6 +34,9 @@ class ServerState:
         self.error: str | None = None
         self.metrics = ServerMetrics()
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="engine-call")
+        # tokenizing and templating, one at a time (a tokenizer is not safe to share between threads, as vLLM's
+        # one-worker tokenizer executor assumes): off the event loop, so a huge prompt does not stall the server
+        self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.inflight: dict[str, Any] = {}  # request id → the job (GenJob) that submitted it
         self.groups: dict[str, Any] = {}  # a multi-prompt response's id → its job (whose rids are its prompts')
         self.sync_started: float | None = None
@@ -84,6 +87,7 @@ class ServerState:
         if self.engine is not None:
             self.engine.shutdown()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- access -------------------------------------------------------------------------------
 
@@ -113,6 +117,12 @@ class ServerState:
         """Run a blocking Engine call on the pool, off the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+
+    async def tokenize(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run tokenizer work (encoding, decoding, chat templates: a 16 MB prompt takes tens of seconds) on the
+        tokenizer's own thread, off the event loop, which keeps answering other requests meanwhile."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_pool, functools.partial(fn, *args, **kwargs))
 
     @staticmethod
     async def wait(fut: Future) -> Any:
