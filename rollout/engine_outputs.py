@@ -8,7 +8,9 @@ task, a stream closed or dropped, started or not), so nothing keeps running for 
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
+import threading
 import time
 import weakref
 from typing import AsyncIterator, Iterator
@@ -126,15 +128,49 @@ def _iterate(tm: TokenizerManager, states: list[ReqState], updates: queue.Queue)
 
 
 def astream(tm: TokenizerManager, items: list[PromptItem], owner: object = None) -> AsyncRequestStream:
-    """``stream`` for asyncio callers: an async iterator of delta chunks."""
-    loop = asyncio.get_running_loop()
-    updates: asyncio.Queue = asyncio.Queue()
-    sink = lambda state: _call_soon(loop, updates.put_nowait, state)  # noqa: E731
-    states = tm.submit_batch([(prompt, ids, params, sink, rid) for prompt, ids, params, rid in items], stream=True)
+    """``stream`` for asyncio callers: an async iterator of delta chunks, which any event loop may iterate (not
+    only the one that created it)."""
+    updates = _LoopFreeQueue()
+    states = tm.submit_batch([(prompt, ids, params, updates.put, rid) for prompt, ids, params, rid in items],
+                             stream=True)
     return AsyncRequestStream(tm, states, _aiterate(tm, states, updates), owner)
 
 
-async def _aiterate(tm: TokenizerManager, states: list[ReqState], updates: asyncio.Queue
+class _LoopFreeQueue:
+    """The updates of an async stream: put from the receiver thread, got by whichever event loop iterates the
+    stream. An ``asyncio.Queue`` fed through the creating loop's ``call_soon_threadsafe`` tied the stream to that
+    loop: one made in ``asyncio.run(engine.async_generate(..., stream=True))`` and iterated in another loop waited
+    forever (its updates went to the closed loop and were dropped)."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[ReqState] = collections.deque()
+        self._lock = threading.Lock()
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+
+    def put(self, state: ReqState) -> None:
+        with self._lock:
+            self._items.append(state)
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            _call_soon(waiter[0], _wake, waiter[1])
+
+    async def get(self) -> ReqState:
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._lock:
+                if self._items:
+                    return self._items.popleft()
+                fut = loop.create_future()
+                self._waiter = (loop, fut)
+            await fut
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():  # done: its waiter was cancelled
+        fut.set_result(None)
+
+
+async def _aiterate(tm: TokenizerManager, states: list[ReqState], updates: _LoopFreeQueue
                     ) -> AsyncIterator[RequestOutput]:
     try:
         remaining = len(states)

@@ -159,6 +159,19 @@ def test_async_generate_concurrent_and_stream(engine):
     assert streamed == batch[0].outputs[0].token_ids
 
 
+def test_an_async_stream_made_in_one_event_loop_is_iterated_in_another(engine):
+    """The stream's updates went through the creating loop: made in one ``asyncio.run`` and iterated in the next,
+    it waited forever (its chunks were dropped with the closed loop)."""
+    stream = asyncio.run(engine.async_generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY, stream=True))
+
+    async def tokens():
+        return [t async for chunk in stream for t in chunk.outputs[0].token_ids]
+
+    streamed = asyncio.run(asyncio.wait_for(tokens(), 60))
+    assert streamed == engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY,
+                                       use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_abort_a_running_request(engine):
     params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
     stream = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, stream=True, request_id="long")
