@@ -57,6 +57,7 @@ class RequestStream(Iterator[RequestOutput]):
 
     def __init__(self, tm: TokenizerManager, states: list[ReqState], chunks: Iterator[RequestOutput],
                  owner: object = None) -> None:
+        self._tm, self._states = tm, states
         self._chunks = chunks
         self._owner = owner
         self._on_drop = _abort_when_dropped(self, tm, states)
@@ -68,7 +69,13 @@ class RequestStream(Iterator[RequestOutput]):
         return next(self._chunks)
 
     def close(self) -> None:
-        self._chunks.close()
+        """Abort what is unfinished. From another thread while one iterates the stream, that one ends with the
+        abort's final chunks (finish reason "abort"), as after ``Engine.abort``."""
+        _abort_unfinished(self._tm, self._states)  # first: closing a generator another thread runs fails
+        try:
+            self._chunks.close()
+        except ValueError:  # "generator already executing": another thread iterates it
+            pass
         self._on_drop()
 
 
@@ -77,6 +84,7 @@ class AsyncRequestStream(AsyncIterator[RequestOutput]):
 
     def __init__(self, tm: TokenizerManager, states: list[ReqState], chunks: AsyncIterator[RequestOutput],
                  owner: object = None) -> None:
+        self._tm, self._states = tm, states
         self._chunks = chunks
         self._owner = owner
         self._on_drop = _abort_when_dropped(self, tm, states)
@@ -88,7 +96,14 @@ class AsyncRequestStream(AsyncIterator[RequestOutput]):
         return await self._chunks.__anext__()
 
     async def aclose(self) -> None:
-        await self._chunks.aclose()
+        """``close`` for asyncio: from another task while one iterates the stream, that one ends with the abort's
+        final chunks."""
+        _abort_unfinished(self._tm, self._states)  # first: closing a generator another task awaits in fails
+        try:
+            await self._chunks.aclose()
+        except RuntimeError as e:
+            if "already running" not in str(e):  # "aclose(): asynchronous generator is already running"
+                raise
         self._on_drop()
 
 

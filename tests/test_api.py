@@ -271,6 +271,44 @@ def test_streams_closed_or_dropped_before_their_first_chunk_abort_their_requests
     assert all(len(s.seqs[0].token_ids) < 480 for s in states)
 
 
+def test_a_stream_closed_while_another_thread_or_task_iterates_it_aborts_its_request(engine):
+    """``close()`` from another thread (``aclose()`` from another task) while one iterates the stream raised
+    "generator already executing" ("asynchronous generator is already running") and aborted nothing: the request
+    ran to its end. The iterating side now ends with the abort's final chunk."""
+    long = SamplingParams(temperature=0.0, max_new_tokens=480, ignore_eos=True)
+    stream = engine.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=long, stream=True)
+    chunks = [next(stream)]
+    reader = threading.Thread(target=lambda: chunks.extend(stream))
+    reader.start()
+    deadline = time.monotonic() + 30
+    while not stream._chunks.gi_running and time.monotonic() < deadline:  # the reader waits inside the stream
+        time.sleep(0.01)
+    stream.close()
+    reader.join(60)
+    assert chunks[-1].outputs[0].finish_reason == "abort"
+    assert sum(len(c.outputs[0].token_ids) for c in chunks) < 480
+
+    async def main():
+        astream = await engine.async_generate(prompt_token_ids=[[5, 6, 7]], sampling_params=long, stream=True)
+        first = asyncio.Event()
+
+        async def read():
+            got = []
+            async for chunk in astream:
+                got.append(chunk)
+                first.set()
+            return got
+
+        reading = asyncio.create_task(read())
+        await first.wait()  # the reader now waits inside the stream for its next chunk
+        await astream.aclose()
+        return await asyncio.wait_for(reading, 60)
+
+    got = asyncio.run(main())
+    assert got[-1].outputs[0].finish_reason == "abort"
+    assert sum(len(c.outputs[0].token_ids) for c in got) < 480
+
+
 def test_max_tokens_none_runs_to_the_context_end_and_tiny_temperatures_are_greedy(engine):
     """vLLM's conventions: max_tokens=None means until the context is full (it was silently 128), and a
     temperature below 1e-5 samples greedily (at 1e-38, logits / T overflowed to NaN)."""
