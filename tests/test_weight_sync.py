@@ -316,3 +316,21 @@ def test_fingerprint_of_an_fsdp2_tied_models_state_dict_counts_the_tied_head_onc
         assert r["dtensor"] == "DTensor" and r["two_objects"]
         assert r["model"] == served
         assert r["state_dict"] == served
+
+
+def test_fingerprint_counts_one_tensor_sent_under_several_names_once_per_name(tiny_dir):
+    """A trainer's dict may give several parameters one tensor (every norm ``torch.ones(h)``, or ``expand``ed views
+    of one value); the engine and transformers' ``load_state_dict`` store a copy per name, so each counts. The
+    fingerprint counted only the first (it took any shared storage for a tied head): 'the weights differ' although
+    the engine held exactly what transformers held."""
+    import weight_sync
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir("llama"), dtype=torch.float32)
+    norms = [n for n, _ in model.named_parameters() if n.endswith("norm.weight")]
+    for shared in (torch.full((model.config.hidden_size,), 1.5), torch.tensor(1.5).expand(model.config.hidden_size)):
+        sd = {**model.state_dict(), **dict.fromkeys(norms, shared)}
+        with torch.no_grad():
+            model.load_state_dict(sd)
+        assert weight_sync.fingerprint(sd) == weight_sync.fingerprint(model)
+        assert weight_sync.fingerprint(list(sd.items())) == weight_sync.fingerprint(model)

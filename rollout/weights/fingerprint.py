@@ -183,24 +183,33 @@ def _stored_tensors(name: str, t: torch.Tensor, quantization: str | None) -> lis
 
 def _named_tensors(obj: Any) -> list[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs of a model's ``named_parameters`` (under the engine's names: the components of a
-    DDP, DeepSpeed, ``torch.compile`` or activation-checkpointing wrapper dropped), a mapping or pairs. A tensor
-    that is another name of an earlier one (the same elements of the same storage: a tied ``lm_head.weight`` in a
-    ``state_dict``) counts once, as ``named_parameters`` counts a tied parameter once and the engine stores it once."""
+    DDP, DeepSpeed, ``torch.compile`` or activation-checkpointing wrapper dropped), a mapping or pairs. A tied
+    ``lm_head.weight`` that is another name of the embedding (the same elements of the same storage, as in a tied
+    model's ``state_dict``) counts once, as ``named_parameters`` counts a tied parameter once and the engine stores
+    it once. Any other names count each, even over one tensor (a trainer's dict giving several norms one tensor,
+    or ``expand``ed views of one value): the engine stores a parameter per name."""
     if hasattr(obj, "named_parameters"):
         from rollout.weights.wrapper_names import hf_named_parameters
 
         return hf_named_parameters(obj)
     pairs = list(obj.items()) if isinstance(obj, Mapping) else list(obj)
-    seen: set[tuple] = set()
+    seen: dict[tuple, str] = {}
     out = []
     for name, t in pairs:
         key = _alias_key(t)
-        if key is not None and key in seen:
+        if key is not None and _tied_names(name, seen.get(key)):
             continue
         if key is not None:
-            seen.add(key)
+            seen.setdefault(key, name)
         out.append((name, t))
     return out
+
+
+def _tied_names(name: str, earlier: str | None) -> bool:
+    """``name`` and ``earlier`` are the tied head and embedding (in either order): one parameter's two names."""
+    from rollout.weights.weight_map import TIED_EMBEDDING, TIED_HEAD
+
+    return {name, earlier} == {TIED_HEAD, TIED_EMBEDDING}
 
 
 def _alias_key(t: Any) -> tuple | None:
