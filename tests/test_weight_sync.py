@@ -334,3 +334,29 @@ def test_fingerprint_counts_one_tensor_sent_under_several_names_once_per_name(ti
             model.load_state_dict(sd)
         assert weight_sync.fingerprint(sd) == weight_sync.fingerprint(model)
         assert weight_sync.fingerprint(list(sd.items())) == weight_sync.fingerprint(model)
+
+
+def test_a_tied_head_and_embedding_load_only_with_the_same_bits(tiny_dir):
+    """With tied embeddings the head and the embedding are one parameter, and transformers' ``load_state_dict``
+    keeps the head's values. The engine compared them with ``torch.equal`` and kept whichever came last: a -0.0 head
+    before a 0.0 embedding (or a bfloat16 head before its float32 embedding) left the embedding's bits, and one
+    tensor with a NaN in it was refused as 'differs'. Now the same bits load, others are refused untouched."""
+    import weight_sync
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_dir("llama", tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    emb = model.model.embed_tokens.weight.detach().clone() * 2
+    emb[0, 0] = float("nan")
+    zero, neg = emb.clone(), emb.clone()
+    zero[1, :3], neg[1, :3] = 0.0, -0.0
+    with Engine(path, dtype="float32", device="cpu") as engine:
+        engine.update_weights_from_tensor([("model.embed_tokens.weight", emb), ("lm_head.weight", emb)])
+        with torch.no_grad():
+            model.load_state_dict({"model.embed_tokens.weight": emb, "lm_head.weight": emb}, strict=False)
+        fp = engine.weights_fingerprint()
+        assert fp == weight_sync.fingerprint(model) and engine.get_weight_state()["state"] == "consistent"
+        for head, embedding in ((neg, zero), (emb.to(torch.bfloat16), emb)):
+            with pytest.raises(ValueError, match="lm_head.weight differs"):
+                engine.update_weights_from_tensor([("lm_head.weight", head), ("model.embed_tokens.weight", embedding)])
+            assert engine.weights_fingerprint() == fp and engine.get_weight_state()["state"] == "consistent"

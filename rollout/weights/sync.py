@@ -28,7 +28,7 @@ from rollout.weights.group import WeightGroups
 from rollout.weights.ipc_protocol import OpenedIpcTensors
 from rollout.weights.shared_tensors import close_shared, open_shared
 from rollout.weights.updater import TransferError, WeightUpdater, assemble
-from rollout.weights.weight_map import TIED_HEAD, equal_values
+from rollout.weights.weight_map import TIED_HEAD, same_bits
 
 logger = logging.getLogger(__name__)
 
@@ -421,10 +421,15 @@ def _check_same_model(model_path: str, running: Any) -> None:
 
 def _tied_conflict(tensors: list[tuple[str, torch.Tensor]], weight_map: Any) -> list[str]:
     """With tied embeddings ``lm_head.weight`` and ``model.embed_tokens.weight`` are one parameter: a call
-    carrying both (a ``state_dict``) must carry the same values (else whichever came last would win)."""
+    carrying both (a ``state_dict``) must carry the same bits in the stored dtype, NaNs included (else whichever
+    came last would win, where transformers' ``load_state_dict`` keeps the head's: a bfloat16 head before a float32
+    embedding, or a -0.0 beside a 0.0, left the embedding's)."""
     named = dict(tensors)
     pair = weight_map.tied_pair(named)
-    if pair is None or equal_values(named[pair[0]], named[pair[1]]):
+    if pair is None:
+        return []
+    stored = weight_map.resolve_all(pair[1])[0][0].dtype
+    if same_bits(named[pair[0]].to(stored), named[pair[1]]):
         return []
     return ["lm_head.weight differs from model.embed_tokens.weight, which a model with tied embeddings holds "
             "as one parameter: send the same values (or only the embedding)"]

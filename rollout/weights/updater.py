@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from rollout.dtypes import dtype_name
 from rollout.weights.buckets import TensorSpec, unflatten
-from rollout.weights.weight_map import HFWeightMap, equal_values
+from rollout.weights.weight_map import HFWeightMap, same_bits
 
 
 class TransferError(RuntimeError):
@@ -102,10 +102,10 @@ class WeightUpdater:
         return [(name, t) for name, t in tensors if not self.weight_map.is_ignored(name)]
 
     def holds(self, hf_name: str, tensor: torch.Tensor) -> bool:
-        """This rank's stored part of ``hf_name`` equals ``tensor``'s part, cast to the stored dtype (fp8-stored
-        weights: never, they are requantized on load)."""
+        """This rank's stored part of ``hf_name`` has the bits of ``tensor``'s part cast to the stored dtype (loading
+        it would change nothing; fp8-stored weights: never, they are requantized on load)."""
         view, spec = self.weight_map.local_view(hf_name)
-        return view.dtype.itemsize > 1 and equal_values(view, spec.take(tensor).to(view.device))
+        return view.dtype.itemsize > 1 and same_bits(view, spec.take(tensor).to(view.device))
 
     def nonfinite(self, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
         """The names whose values are not finite as the engine would store them: a value finite as sent may not

@@ -122,7 +122,7 @@ class HFWeightMap:
 
     def tied_pair(self, names: Any) -> tuple[str, str] | None:
         """(head, embedding) names when ``names`` holds both and the embeddings are tied: two names of one
-        parameter, which must carry equal values (``equal_values``)."""
+        parameter, which must carry the same bits (``same_bits``)."""
         if self.cfg.tie_word_embeddings and TIED_HEAD in names and TIED_EMBEDDING in names:
             return TIED_HEAD, TIED_EMBEDDING
         return None
@@ -321,3 +321,15 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def equal_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """The same shape and, in ``a``'s dtype, the same values."""
     return a.shape == b.shape and torch.equal(a, b.to(a.dtype))
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same shape and, in ``a``'s dtype, the same bits: loading either leaves the same weights (a NaN
+    equals itself; -0.0 differs from 0.0, which ``equal_values`` takes as equal)."""
+    if a.shape != b.shape:
+        return False
+    bits = _BITS[a.dtype.itemsize]
+    return torch.equal(a.view(bits), b.to(a.dtype).view(bits))
