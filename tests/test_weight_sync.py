@@ -360,3 +360,22 @@ def test_a_tied_head_and_embedding_load_only_with_the_same_bits(tiny_dir):
             with pytest.raises(ValueError, match="lm_head.weight differs"):
                 engine.update_weights_from_tensor([("lm_head.weight", head), ("model.embed_tokens.weight", embedding)])
             assert engine.weights_fingerprint() == fp and engine.get_weight_state()["state"] == "consistent"
+
+
+def test_an_empty_weight_version_is_refused_before_loading(path):
+    """weight_version='' named the weights '' (an output's version when none is known) and every later bump
+    '+1', '+1+1', ...; it is refused before anything loads, on every path. An int names the weights by its str."""
+    from transformers import AutoModelForCausalLM
+
+    named = list(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict().items())
+    with Engine(path, dtype="float32", device="cpu") as engine:
+        assert engine.update_weights_from_tensor(named[:2], weight_version=7)["weight_version"] == "7"
+        fp = engine.weights_fingerprint()
+        for call in (lambda: engine.update_weights_from_tensor([(n, t * 2) for n, t in named[:2]], weight_version=""),
+                     lambda: engine.update_weights_from_disk(path, weight_version=""),
+                     lambda: engine.update_weight_version("")):
+            with pytest.raises(ValueError, match="non-empty"):
+                call()
+            assert engine.weights_fingerprint() == fp and engine.get_weight_version() == "7"
+            assert engine.get_weight_state()["state"] == "consistent"
+        assert engine.update_weights_from_tensor(named[:2])["weight_version"] == "8"

@@ -119,7 +119,7 @@ class WeightSync:
             raise ValueError(f"unsupported load_format {load_format!r} (use None or 'flattened_bucket')")
         specs = parse_specs(names, dtypes, shapes)
         group_name, group = self.groups.get(group_name)
-        problems = self._problems(specs)
+        problems = self._problems(specs) + _version_problems(weight_version)
         t_recv = time.perf_counter()
         try:
             tensors = self.updater.receive(specs, group, load_format == "flattened_bucket")
@@ -136,7 +136,7 @@ class WeightSync:
             specs = parse_specs([s[0] for s in req.specs], [s[1] for s in req.specs], [s[2] for s in req.specs])
             tensors = open_shared(specs, req.payload, self.opened, self.tp.rank)
             t_open = time.perf_counter()
-            problems = self._problems(specs)
+            problems = self._problems(specs) + _version_problems(req.weight_version)
             self.timing = {"open_s": t_open - start, "validate_s": time.perf_counter() - t_open}
             result = self._apply(tensors, problems, start, req.flush_cache, req.weight_version, req.check_finite,
                                  None)
@@ -159,6 +159,7 @@ class WeightSync:
         names = [n for n in shapes if not wm.is_ignored(n) and n not in skip]
         problems = self._problems(parse_specs(names, [shapes[n][0] for n in names],
                                               [list(shapes[n][1]) for n in names]))
+        problems += _version_problems(req.weight_version)
         missing = sorted(set(wm.shapes) - {c for n in names for c in wm.covered(n)})
         if missing:
             problems.append(f"checkpoint {req.model_path!r} lacks {len(missing)} parameters, e.g. {missing[:3]}")
@@ -228,6 +229,8 @@ class WeightSync:
     def update_weight_version(self, req: UpdateWeightVersionReq) -> str:
         """Name the served weights; while an update session is open, the weights it is loading (its close then
         keeps the name instead of incrementing it)."""
+        if _version_problems(req.weight_version):
+            raise ValueError(_version_problems(req.weight_version)[0])
         self.weight_version = str(req.weight_version)
         self.versions_named.add(self.weight_version)
         self.version_named_in_session = bool(self.updater.session)
@@ -395,6 +398,14 @@ class WeightSync:
         if self.updater.session:
             self.mark_inconsistent(f"a transfer failed mid-update ({message})")
         logger.error("weight transfer on group %r failed: %s", group_name, message)
+
+
+def _version_problems(weight_version: Any) -> list[str]:
+    """Why ``weight_version`` cannot name weights: '' is no name (an output's version when none is known, and the
+    next bump would make '+1' of it). None (bump the number) and anything else (its ``str``) can."""
+    if weight_version is not None and str(weight_version) == "":
+        return ["weight_version must be a non-empty string (or None to increment the version)"]
+    return []
 
 
 def _next_version(version: str) -> str:
