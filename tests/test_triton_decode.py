@@ -112,8 +112,11 @@ def test_rejects_bad_shapes_and_splits():
 @pytest.mark.parametrize("heads_first", [False, True], ids=["batch-first", "heads-first"])
 def test_in_kernel_merge_leaves_the_callers_counters_zero(kv_dtype, splits, heads_first):
     """The caller's counters (the engine's, reused by every graph replay) are 0 again after each launch, in
-    either launch order, and the result is the one without them (a zeroed buffer made for the call)."""
-    seq_lens, hq, hk, d = [1, 5, 64, 65, 130], 8, 2, 64
+    either launch order, and the result is the one without them (a zeroed buffer made for the call). Tiles of
+    64: one token (every split after the first empty), a tile and one token (a second split of one token),
+    three tiles, the last partial (two tiles in the first split at 2); 4 and 16 splits leave empty ones on
+    every request. 2 KV heads: each launch order indexes its counters by request and KV head."""
+    seq_lens, hq, hk, d = [1, 65, 130], 8, 2, 64
     q_dtype = torch.float16 if kv_dtype.itemsize == 1 else torch.bfloat16
     q, k_buf, v_buf, indptr, indices = make_case(seq_lens, hq, hk, d, kv_dtype, q_dtype, seed=7)
     scale = d ** -0.5
@@ -188,7 +191,7 @@ def shared_prefix_case(kv_dtype, hq: int, hk: int, d: int, seed: int):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.bfloat16])
 @pytest.mark.parametrize("splits,prefix_splits", [(1, 1), (1, 2), (4, 2)])
-@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["group4", "group1"])
+@pytest.mark.parametrize("heads", [(8, 2), (2, 2)], ids=["group4", "group1"])
 def test_shared_prefix_equals_attention_over_each_whole_kv(kv_dtype, splits, prefix_splits, heads):
     """Cascade decode (stage 0 reads each group's prefix once for all its members) gives the attention of each
     request over its whole KV list: grouped rows, a row in no group, an unused group and member padding."""

@@ -5,7 +5,7 @@ Without a CUDA device the kernel runs under Triton's CPU interpreter (see ``trit
 
 from __future__ import annotations
 
-from triton_interpreter import DEVICE  # first: sets up the interpreter before triton is imported
+from triton_interpreter import DEVICE, INTERPRETED  # first: sets up the interpreter before triton is imported
 
 import dataclasses  # noqa: E402
 
@@ -57,10 +57,15 @@ def fused(logits: torch.Tensor, info: SamplingBatchInfo, block_size=None, num_ch
 def assert_matches_torch(logits: torch.Tensor, rows, block_size=None, num_chunks=None):
     """Tokens and ranks equal to the torch Sampler's, logprobs within 1e-5; returns the fused outputs."""
     info = build(rows, logits.shape[-1])
-    ref = Sampler()(logits, info)
-    ids, logprobs, ranks = fused(logits, info, block_size, num_chunks)
+    return assert_equals_reference(Sampler()(logits, info), fused(logits, info, block_size, num_chunks))
+
+
+def assert_equals_reference(ref, out):
+    """``assert_matches_torch`` against a torch Sampler output ``ref`` computed already; returns ``out``."""
+    ids, logprobs, ranks = out
+    n = ref.next_token_ids.shape[0]
     assert ids.dtype == torch.int64 and ranks.dtype == torch.int64 and logprobs.dtype == torch.float32
-    assert ids.shape == ranks.shape == logprobs.shape == (len(rows),)
+    assert ids.shape == ranks.shape == logprobs.shape == (n,)
     assert ids.tolist() == ref.next_token_ids.tolist()
     assert ranks.tolist() == ref.ranks.tolist()
     torch.testing.assert_close(logprobs, ref.logprobs, atol=1e-5, rtol=0)
@@ -83,13 +88,14 @@ def test_noise_is_bit_identical_to_uniform_noise():
 def test_log_within_one_ulp_on_every_noise_value_and_on_sums():
     """E = -log(U) for all 2**23 values U can take (relative precision matters near U = 1, where E ~ 6e-8),
     and log over the range of the softmax sums."""
+    block = 2**20 if INTERPRETED else 8192  # the interpreter's cost is per program: a few large ones
     j = torch.arange(2**23, dtype=torch.float64)
     u = ((2 * j + 1) * 2.0**-24).float()
-    e = -triton_sampling._log_for_test(u.to(DEVICE)).cpu().double()
+    e = -triton_sampling._log_for_test(u.to(DEVICE), block).cpu().double()
     truth = -u.double().log()
     assert ((e - truth).abs() / truth).max().item() < 1.2e-7
     sums = torch.logspace(0, 5.5, 100_001, dtype=torch.float64).float()
-    got = triton_sampling._log_for_test(sums.to(DEVICE)).cpu().double()
+    got = triton_sampling._log_for_test(sums.to(DEVICE), block).cpu().double()
     truth = sums.double().log()
     nearest = truth.float()
     ulp = (torch.nextafter(nearest, torch.tensor(float("inf"))) - nearest).double()
@@ -217,19 +223,37 @@ def chunk_of(token: int, block_size: int, num_blocks: int, num_chunks: int) -> i
     return token // block_size // per_chunk
 
 
-@pytest.mark.parametrize("num_chunks", [1, 2, 5, 7, 24, 100])
-def test_chunk_counts_match_torch_and_each_other(num_chunks):
-    """V = 3000 in blocks of 128: 24 blocks, the last partial; 5 and 7 chunks leave a shorter last chunk,
-    24 and 100 (clamped) give one block per chunk."""
-    V, B, block = 3000, 10, 128
+CHUNKS_V, CHUNKS_BLOCK, CHUNKS_NUM_BLOCKS = 12 * 128 + 85, 128, 13
+
+
+@pytest.fixture(scope="module")
+def chunk_counts_case():
+    """test_chunk_counts_match_torch_and_each_other's batch, its torch reference and its one-chunk result,
+    computed once for every chunk count."""
+    V, B = CHUNKS_V, 10
     logits = randn(B, V, seed=12)
-    rows = mixed_rows(B, salt=12)
-    ids, logprobs, ranks = assert_matches_torch(logits, rows, block, num_chunks)
-    one_ids, one_logprobs, one_ranks = fused(logits, build(rows, V), block, 1)
+    rows = mixed_rows(B, salt=12)  # 5 temperatures (greedy among them) x both logprobs modes
+    info = build(rows, V)
+    return logits, rows, Sampler()(logits, info), fused(logits, info, CHUNKS_BLOCK, 1)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2, 5, 7, 13, 100])
+def test_chunk_counts_match_torch_and_each_other(num_chunks, chunk_counts_case):
+    """V = 1621 in blocks of 128: 13 blocks, the last partial; 2, 5 and 7 chunks leave a shorter last chunk
+    (5: a last chunk of only the partial block), 13 and 100 (clamped) give one block per chunk."""
+    logits, rows, ref, one = chunk_counts_case
+    block = CHUNKS_BLOCK
+    chunks, per_chunk = triton_sampling._chunk_layout(len(rows), CHUNKS_NUM_BLOCKS, logits.device, num_chunks)
+    assert -(-CHUNKS_V // block) == CHUNKS_NUM_BLOCKS and CHUNKS_V % block  # the last block partial
+    assert per_chunk == 1 if num_chunks >= CHUNKS_NUM_BLOCKS else chunks * per_chunk > CHUNKS_NUM_BLOCKS or chunks == 1
+    out = one if num_chunks == 1 else fused(logits, build(rows, CHUNKS_V), block, num_chunks)
+    ids, logprobs, ranks = assert_equals_reference(ref, out)
+    one_ids, one_logprobs, one_ranks = one
     assert torch.equal(ids, one_ids) and torch.equal(ranks, one_ranks)
     torch.testing.assert_close(logprobs, one_logprobs, atol=1e-6, rtol=0)
     if num_chunks > 1:  # some rank sums counts of several chunks
-        spread = [len({chunk_of(int(j), block, 24, num_chunks) for j in (logits[i] > logits[i, ids[i]]).nonzero()})
+        spread = [len({chunk_of(int(j), block, CHUNKS_NUM_BLOCKS, num_chunks)
+                       for j in (logits[i] > logits[i, ids[i]]).nonzero()})
                   for i, r in enumerate(rows) if r.params.temperature > 0 and r.params.logprobs_mode == "raw"]
         assert max(spread) >= 2
 
