@@ -7,6 +7,12 @@ patches three bugs of Triton 3.6's interpreter (compiled kernels are unaffected)
   they are widened to float32 first, exactly);
 - casts to float8 and bfloat16: it truncates mantissa bits (and clamps e4m3fn's exponent wrongly);
   here torch's round-to-nearest-even cast does them, as the GPU's ``cvt.rn`` does.
+
+It also stops the interpreter re-patching ``triton.language`` on every call of a ``@triton.jit`` helper
+inside a kernel (``inspect.getmembers`` over tl, tl.tensor and tl.math each time: about a third of a
+sampling kernel's interpreted time): a helper whose language modules the running launch already patched
+finds them patched, which is the state the repeated patch would leave; the launch's own scope restores them
+at its end as before.
 """
 
 from __future__ import annotations
@@ -72,7 +78,33 @@ if INTERPRETED:
         out = _rounded_cast(src, dst_type)
         return _create_fp_trunc(self, src, dst_type) if out is None else out
 
+    _patch_lang = _interpreter._patch_lang
+    _patched_langs: set[frozenset[int]] = set()  # language-module sets the running launch has patched
+
+    class _AlreadyPatched:
+        @staticmethod
+        def restore() -> None:
+            pass
+
+    def _patch_lang_once(fn):
+        import triton.language as tl
+
+        key = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        if key in _patched_langs:
+            return _AlreadyPatched
+        scope = _patch_lang(fn)
+        _patched_langs.add(key)
+        restore = scope.restore
+
+        def restore_and_forget() -> None:  # the launch's scope: its end unpatches every set
+            _patched_langs.clear()
+            restore()
+
+        scope.restore = restore_and_forget
+        return scope
+
     if getattr(_interpreter._patch_lang_tensor, "__name__", "") != "_patch_lang_tensor_numpy2":
+        _interpreter._patch_lang = _patch_lang_once
         _interpreter._patch_lang_tensor = _patch_lang_tensor_numpy2
         _interpreter.InterpreterBuilder.create_dot = _create_dot_widened
         _interpreter.InterpreterBuilder.create_fp_to_fp = _create_fp_to_fp_rne
