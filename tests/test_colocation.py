@@ -324,6 +324,8 @@ def test_a_release_frees_the_buffer_distributed_updates_receive_into(tiny_dir):
             engine.wake_up(tags=["weights"])
             return rss
 
+        for _ in range(3):  # the scheduler's RSS asleep settles over its first cycles (~30-60 MB on this machine)
+            rss_asleep()
         before = rss_asleep()
         port = free_port()
         join = engine.init_process_group("127.0.0.1", port, 1, 2, "bucket", backend="gloo", timeout=60, async_op=True)
