@@ -1,18 +1,19 @@
 """SGLang's native endpoints: ``POST /generate``, ``POST /tokenize``, ``POST /detokenize``.
 
 ``/generate`` takes ``text`` or ``input_ids`` (one prompt or a batch) and ``sampling_params``; it answers
-``{"text", "output_ids", "meta_info"}`` per (prompt, sample), a single object for one prompt with
-``n == 1`` and a list otherwise (prompt-major). ``meta_info`` holds ``id``, ``finish_reason``
-(``{"type": "length", "length"}``, ``{"type": "stop", "matched"}`` or ``{"type": "abort", ...}``),
-``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_version`` (the version that sampled the
-sample's last token), ``token_weight_versions`` (per output token: the weight version that sampled it),
-``e2e_latency`` and, with ``return_logprob`` (it, ``top_logprobs_num`` and ``logprob_start_len`` may be lists, one
-entry per prompt, as SGLang's), ``output_token_logprobs`` (``[logprob, token_id, text or null]`` per
-token), ``output_top_logprobs``, ``input_token_logprobs`` and ``input_top_logprobs``: empty for the default
-``logprob_start_len`` (-1), as SGLang sends them, and for ``logprob_start_len`` >= 0 the prompt tokens from that
-position on, the first entry's logprob null (SGLang's shape); with ``return_routed_experts`` (MoE models, SGLang's field) the final ``meta_info`` has
-``routed_experts`` (base64 int32, ``rollout.outputs.routed_experts_from_base64``) and ``routed_experts_start_len``. Streams send the cumulative state of one (prompt, sample) per event, as SGLang does. A prompt plus
-``max_new_tokens`` longer than the context is a 400.
+``{"text", "output_ids", "meta_info"}`` per (prompt, sample), a single object for one prompt with ``n == 1`` and a
+list otherwise (prompt-major). ``meta_info`` holds ``id``, ``finish_reason`` (``{"type": "length", "length"}``,
+``{"type": "stop", "matched"}`` or ``{"type": "abort", ...}``), ``prompt_tokens``, ``completion_tokens``,
+``cached_tokens``, ``weight_version`` (the version that sampled the sample's last token),
+``token_weight_versions`` (per output token: the weight version that sampled it), ``e2e_latency`` and, with
+``return_logprob`` (it, ``top_logprobs_num`` and ``logprob_start_len`` may be lists, one entry per prompt, as
+SGLang's), ``output_token_logprobs`` (``[logprob, token_id, text or null]`` per token), ``output_top_logprobs``,
+``input_token_logprobs`` and ``input_top_logprobs``: empty for the default ``logprob_start_len`` (-1), as SGLang
+sends them, and for ``logprob_start_len`` >= 0 the prompt tokens from that position on, the first entry's logprob
+null (SGLang's shape); with ``return_routed_experts`` (MoE models, SGLang's field) the final ``meta_info`` has
+``routed_experts`` (base64 int32, ``rollout.outputs.routed_experts_from_base64``) and
+``routed_experts_start_len``. Streams send the cumulative state of one (prompt, sample) per event, as SGLang does.
+A prompt plus ``max_new_tokens`` longer than the context is a 400.
 """
 
 from __future__ import annotations

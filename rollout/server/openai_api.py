@@ -1,17 +1,17 @@
 """OpenAI-compatible serving: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``.
 
-Both generation endpoints take ``n``, ``stop``, ``seed``, ``logprobs`` and ``stream`` (server-sent
-events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk with usage).
-Responses carry ``usage`` (with ``prompt_tokens_details.cached_tokens``) and ``weight_version``; with
-``return_token_ids`` each choice also has ``token_ids`` and ``prompt_token_ids``. Logprobs are raw (the
-model's own distribution) unless ``logprobs_mode="processed"``. A null ``max_tokens`` (and a chat request
-without one) generates until EOS or the context is full; a prompt plus ``max_tokens`` longer than the
-context is a 400. A request's id is its ``X-Request-Id`` header, else its ``request_id`` (vLLM's order), else a
-fresh one; the response returns it as ``id`` and in its ``X-Request-Id`` header. ``/v1/completions`` takes ``echo``: each choice's text (and, with ``logprobs``, its
-logprobs object) starts with the prompt's, the first prompt token's logprob null; ``max_tokens`` may be 0
-to score a prompt (lm-evaluation-harness's loglikelihood requests). Sampling fields a request leaves unset
-take the model's ``generation_config.json`` values (``--sampling-defaults model``, the default; vLLM and SGLang
-do the same), whose ``max_new_tokens`` also caps ``max_tokens``.
+Both generation endpoints take ``n``, ``stop``, ``seed``, ``logprobs`` and ``stream`` (server-sent events ending
+in ``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk with usage). Responses carry ``usage``
+(with ``prompt_tokens_details.cached_tokens``) and ``weight_version``; with ``return_token_ids`` each choice also
+has ``token_ids`` and ``prompt_token_ids``. Logprobs are raw (the model's own distribution) unless
+``logprobs_mode="processed"``. A null ``max_tokens`` (and a chat request without one) generates until EOS or the
+context is full; a prompt plus ``max_tokens`` longer than the context is a 400. A request's id is its
+``X-Request-Id`` header, else its ``request_id`` (vLLM's order), else a fresh one; the response returns it as
+``id`` and in its ``X-Request-Id`` header. ``/v1/completions`` takes ``echo``: each choice's text (and, with
+``logprobs``, its logprobs object) starts with the prompt's, the first prompt token's logprob null; ``max_tokens``
+may be 0 to score a prompt (lm-evaluation-harness's loglikelihood requests). Sampling fields a request leaves
+unset take the model's ``generation_config.json`` values (``--sampling-defaults model``, the default; vLLM and
+SGLang do the same), whose ``max_new_tokens`` also caps ``max_tokens``.
 """
 
 from __future__ import annotations

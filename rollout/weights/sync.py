@@ -348,7 +348,8 @@ class WeightSync:
         and loading it again would open a second session, a second version and an unnamed one between the two."""
         up = self.updater
         head = next((t for name, t in tensors if name == TIED_HEAD), None)
-        if head is None or up.weight_map.canonical(TIED_HEAD) == TIED_HEAD or up.session or up.inconsistent is not None or self.refused_before_session is not None:
+        untied = up.weight_map.canonical(TIED_HEAD) == TIED_HEAD
+        if head is None or untied or up.session or up.inconsistent is not None or self.refused_before_session:
             return tensors
         if not self.tp.all_true(up.holds(TIED_HEAD, head)):
             return tensors
