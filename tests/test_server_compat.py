@@ -424,3 +424,8 @@ def test_chat_tools_are_checked_and_rendered_as_vllm_does_without_a_tool_parser(
                                         "add_special_tokens": False}).json()["tokens"]
     assert r.json()["prompt_token_ids"] == want
     assert http.post("/v1/chat/completions", json={**body, "tool_choice": "none"}).status_code == 200
+    # /tokenize renders the same tools with the messages (vLLM's TokenizeChatRequest.tools); a prompt takes none
+    tokenized = http.post("/tokenize", json={"messages": CHAT, "chat_template": template, "tools": tools})
+    assert tokenized.status_code == 200 and tokenized.json()["tokens"] == want, tokenized.text
+    r = http.post("/tokenize", json={"prompt": "x", "tools": tools})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -67,13 +67,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     engine = state.engine
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "pass exactly one of 'prompt' and 'messages'", "prompt")
-    chat_only = sorted(body.model_fields_set & set(ChatTemplateFields.model_fields))
+    chat_only = sorted(body.model_fields_set & (set(ChatTemplateFields.model_fields) | {"tools"}))
     if body.prompt is not None and chat_only:
         raise APIError(400, f"{chat_only[0]} applies to 'messages' only", chat_only[0])
     if body.messages is not None:
         try:
+            options = replace(body.template_options(), tools=body.tools)
             tokens: Any = await state.tokenize(engine.apply_chat_template,
-                                               [m.template_input() for m in body.messages], body.template_options())
+                                               [m.template_input() for m in body.messages], options)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         count: Any = len(tokens)

@@ -155,6 +155,7 @@ class TokenizeRequest(ChatTemplateFields):
     prompt: str | list[str] | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    tools: list[Any] | None = None  # rendered by the chat template with ``messages`` (vLLM's TokenizeChatRequest)
 
 
 class DetokenizeRequest(Body):
