@@ -231,9 +231,10 @@ def _with_architecture_defaults(arch: str, raw: dict[str, Any]) -> dict[str, Any
     Qwen3 the ``layer_types`` their ``max_window_layers`` gives) filled in with the values transformers' config
     class for its ``model_type`` gives this config, as transformers reads it. Configs that carry them all do not
     import transformers."""
-    keys = _DEFAULTED_KEYS + _MOE_DEFAULTED_KEYS.get(arch, ()) + (("sliding_window",) if _windowed(arch, raw) else ())
+    windowed = _windowed(arch, raw)
+    keys = _DEFAULTED_KEYS + _MOE_DEFAULTED_KEYS.get(arch, ()) + (("sliding_window",) if windowed else ())
     keys += ("head_dim",) if arch in _HEAD_DIM_ARCHITECTURES else ()
-    if _windowed(arch, raw) and arch in _LAYER_TYPED_ARCHITECTURES:
+    if windowed and arch in _LAYER_TYPED_ARCHITECTURES:
         keys += ("layer_types",)
     rope = _rope_dict(raw)
     if all(_has_key(raw, k) for k in keys) and ("rope_theta" in raw or "rope_theta" in rope):

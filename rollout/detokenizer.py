@@ -16,7 +16,8 @@ from rollout.ipc import IPCPaths, socket
 from rollout.logging_utils import configure
 
 
-def run_detokenizer_process(config: EngineConfig, paths: IPCPaths, pickled_tokenizer: bytes | None, ready: Any) -> None:
+def run_detokenizer_process(config: EngineConfig, paths: IPCPaths, pickled_tokenizer: bytes | None,
+                            ready: Any) -> None:
     """Report readiness on ``ready``, then forward outputs with text filled in. ``pickled_tokenizer``: the engine's
     tokenizer; None: load it from ``config``."""
     configure(config.log_level, "Detokenizer")

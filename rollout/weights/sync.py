@@ -229,8 +229,9 @@ class WeightSync:
     def update_weight_version(self, req: UpdateWeightVersionReq) -> str:
         """Name the served weights; while an update session is open, the weights it is loading (its close then
         keeps the name instead of incrementing it)."""
-        if _version_problems(req.weight_version):
-            raise ValueError(_version_problems(req.weight_version)[0])
+        problems = _version_problems(req.weight_version)
+        if problems:
+            raise ValueError(problems[0])
         self.weight_version = str(req.weight_version)
         self.versions_named.add(self.weight_version)
         self.version_named_in_session = bool(self.updater.session)
@@ -440,8 +441,7 @@ def _tied_conflict(tensors: list[tuple[str, torch.Tensor]], weight_map: Any) -> 
     pair = weight_map.tied_pair(named)
     if pair is None:
         return []
-    stored = weight_map.resolve_all(pair[1])[0][0].dtype
-    if same_bits(named[pair[0]].to(stored), named[pair[1]]):
+    if same_bits(named[pair[0]].to(weight_map.stored_dtype(pair[1])), named[pair[1]]):
         return []
     return ["lm_head.weight differs from model.embed_tokens.weight, which a model with tied embeddings holds "
             "as one parameter: send the same values (or only the embedding)"]

@@ -112,7 +112,7 @@ class WeightUpdater:
         be in the serving dtype (a bfloat16 1e5 is inf in float16), which the load's cast would make it."""
         out = []
         for name, t in tensors:
-            stored = self.weight_map.resolve_all(name)[0][0].dtype
+            stored = self.weight_map.stored_dtype(name)
             if stored.is_floating_point and stored.itemsize > 1 and stored != t.dtype:  # fp8 is scaled, never cast
                 t = t.to(stored)
             if not bool(torch.isfinite(t).all()):

@@ -139,6 +139,10 @@ class HFWeightMap:
             raise ValueError(f"{hf_name!r} is not a single stored parameter")
         return targets[0]
 
+    def stored_dtype(self, hf_name: str) -> torch.dtype:
+        """The dtype the engine stores ``hf_name`` in (what a load casts it to)."""
+        return self.resolve_all(hf_name)[0][0].dtype
+
     def resolve_all(self, hf_name: str) -> list[tuple[nn.Parameter, Any]]:
         """Every (internal parameter, shard id) that ``hf_name`` (a name of ``shapes`` or an alias) loads."""
         name = self.canonical(hf_name)
